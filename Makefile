@@ -1,0 +1,70 @@
+# Flywheel: the two commands a newcomer needs are `make demo` and `make test`.
+# Everything is installed into .venv (git-ignored) and reused while the lock is unchanged.
+
+PYTHON ?= python3.11
+VENV ?= .venv
+ACCEL ?= cpu
+LOCK := requirements/$(ACCEL).lock
+STAMP := $(VENV)/.flywheel-installed
+PY := $(VENV)/bin/python
+FLYWHEEL := $(VENV)/bin/flywheel
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-unit up down status model bench-% lock clean help
+
+help:
+	@echo "make demo   - set up, start the local stack, run the main job, shut down"
+	@echo "make test   - set up, start what the tests need, run the whole test suite"
+	@echo "make up / make down / make status - the local stack alone"
+	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
+
+setup: $(STAMP)
+
+# Reinstall only when the lock or the project metadata change.
+$(STAMP): $(LOCK) pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11'"; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r $(LOCK)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@$(PY) -c "import flywheel, ingest, rewarding, trainer, serving" || { echo "error: the installed package does not import"; exit 1; }
+	@touch $(STAMP)
+
+model: setup
+	$(FLYWHEEL) model build
+
+up: setup
+	$(FLYWHEEL) up
+
+down:
+	@test -x $(FLYWHEEL) && $(FLYWHEEL) down || true
+
+status: setup
+	$(FLYWHEEL) status
+
+demo: setup
+	$(FLYWHEEL) demo
+
+# Tests start the real services they need themselves (broker, Postgres, Redis, vLLM),
+# in a temporary run folder on their own ports, and stop them at the end.
+test: setup
+	$(FLYWHEEL) model build
+	@scripts/ensure-chromium.sh
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+bench-train: setup
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/bench.txt
+	$(PY) bench/train.py
+
+bench-%: setup
+	$(PY) bench/$*.py
+
+# Regenerate the lock from the current environment (after changing pyproject.toml).
+lock:
+	$(PY) -m pip freeze --exclude-editable | grep -v '^flywheel' > /tmp/flywheel-freeze.txt
+	{ sed -n '1,4p' $(LOCK); echo "setuptools==78.1.1"; cat /tmp/flywheel-freeze.txt; } > $(LOCK).new && mv $(LOCK).new $(LOCK)
+
+clean:
+	rm -rf $(VENV) .flywheel .pytest_cache

@@ -1,0 +1,25 @@
+"""Flywheel: continual learning from production agent traffic.
+
+This package is importable with the SDK's light dependencies alone (pydantic);
+service modules import their heavy dependencies themselves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from flywheel.sdk import AsyncSession, Flywheel, Session
+
+_SDK_EXPORTS = frozenset({"Flywheel", "Session", "AsyncSession"})
+
+
+def __getattr__(name: str) -> Any:
+    """``from flywheel import Flywheel`` loads the SDK only when it is asked for."""
+    if name in _SDK_EXPORTS:
+        from flywheel import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'flywheel' has no attribute {name!r}")

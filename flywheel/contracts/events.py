@@ -1,0 +1,522 @@
+"""Session events: the records the SDK produces and every service consumes.
+
+Every event is one flat JSON object: the envelope fields of :class:`EventBase`
+(schema version, UUIDv7 event id, project, session id, timestamps) plus the fields
+of its ``type``. ``Event`` is the discriminated union of all types; parse untrusted
+input with :func:`parse_event`, which names the offending field on rejection.
+
+Schema history:
+  1 — initial version. Additive change within 1: a ``feedback`` may omit ``session_id``
+      when it names a UUIDv7 ``completion_id`` (feedback by completion id alone, from a
+      process that does not know the session). Every record valid before is still valid;
+      a reader built before the change refuses such a record (it cannot misread it), and
+      ingest re-produces it with ``session_id`` filled, which every reader understands.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from datetime import datetime, timedelta, timezone
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from flywheel.contracts.ids import uuid7
+
+SCHEMA_VERSION = 1
+"""The schema version this code writes."""
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+"""Schema versions this code reads."""
+
+MAX_TEXT = 1_000_000
+"""Longest text field, in characters."""
+MAX_TOKENS = 65_536
+"""Longest token id or logprob list."""
+MAX_FUTURE_SKEW = timedelta(hours=1)
+"""How far ahead of the receiver's clock an event time may be."""
+EARLIEST_EVENT_TIME = datetime(2020, 1, 1, tzinfo=timezone.utc)
+"""Event times before this are refused as clock errors."""
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
+"""An identifier: project, session id, policy version, outcome name, ..."""
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+Scalar = Union[str, int, float, bool, None]
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=128)], Scalar], Field(max_length=64)]
+"""Flat key/value metadata: JSON scalars only, at most 64 keys (no nesting to abuse)."""
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now in UTC."""
+    return datetime.now(timezone.utc)
+
+
+class EventType(StrEnum):
+    """Every event type on the events topic."""
+
+    SESSION_START = "session_start"
+    SESSION_END = "session_end"
+    SPAN_START = "span_start"
+    SPAN_END = "span_end"
+    TURN = "turn"
+    COMPLETION = "completion"
+    CONTEXT = "context"
+    FEEDBACK = "feedback"
+    OUTCOME = "outcome"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_TEXT, allow_inf_nan=False)
+
+
+class EventBase(_Model):
+    """The envelope every event carries."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    """Version of this schema; readers refuse versions they do not know."""
+    event_id: uuid.UUID = Field(default_factory=uuid7)
+    """UUIDv7, unique per event; a retry or replay carries the same id and is a no-op downstream."""
+    project: Name
+    """The agent product (tenant) that produced the event; write keys are scoped to it."""
+    session_id: Name
+    """The agent session the event belongs to; also the Kafka message key."""
+    occurred_at: datetime = Field(default_factory=utcnow)
+    """When it happened, in the producer's clock (timezone-aware)."""
+    sent_at: datetime | None = None
+    """When the SDK handed it to a transport (set by the sender)."""
+    sdk: Annotated[str, StringConstraints(max_length=64)] | None = None
+    """Producer library and version, e.g. ``flywheel-sdk/0.1.0``."""
+
+    @property
+    def kafka_key(self) -> str:
+        """The Kafka message key of this event: its session id (so a session's events keep their order)."""
+        return self.session_id
+
+    @field_validator("event_id")
+    @classmethod
+    def _is_uuid7(cls, value: uuid.UUID) -> uuid.UUID:
+        if value.version != 7:
+            raise ValueError(f"must be a UUIDv7 (got version {value.version})")
+        return value
+
+    @field_validator("occurred_at", "sent_at")
+    @classmethod
+    def _plausible_time(cls, value: datetime | None) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("must carry a timezone (e.g. 2026-01-01T00:00:00Z)")
+        if value < EARLIEST_EVENT_TIME:
+            raise ValueError(f"{value.isoformat()} is before {EARLIEST_EVENT_TIME.date()}: a clock error")
+        if value > utcnow() + MAX_FUTURE_SKEW:
+            raise ValueError(f"{value.isoformat()} is more than {MAX_FUTURE_SKEW} in the future")
+        return value
+
+
+class SpanRef(_Model):
+    """Which agent within a multi-agent session produced something."""
+
+    span_id: Name = "root"
+    """The agent span: ``root`` for the main agent, else a sub-agent's span id."""
+    role: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "agent"
+    """The agent's role, e.g. ``agent``, ``orchestrator``, ``subagent``; the trainer trains configured roles only."""
+
+
+class SessionStart(EventBase):
+    """A session began."""
+
+    type: Literal[EventType.SESSION_START] = EventType.SESSION_START
+    user_id: Name | None = None
+    """The product's (pseudonymous) user id."""
+    agent: Annotated[str, StringConstraints(max_length=128)] | None = None
+    """Name and version of the agent harness."""
+    task: Annotated[str, StringConstraints(max_length=128)] | None = None
+    """Task kind, for per-kind baselines and metrics."""
+    group_key: Annotated[str, StringConstraints(max_length=256)] | None = None
+    """Sessions sharing a group key answer the same prompt (group-relative advantages)."""
+    metadata: Metadata = Field(default_factory=dict)
+    """Product metadata (flat)."""
+
+
+class SessionEnd(EventBase):
+    """A session ended; its reward can be finalised once its feedback window closes."""
+
+    type: Literal[EventType.SESSION_END] = EventType.SESSION_END
+    status: Literal["completed", "failed", "abandoned", "timeout"] = "completed"
+    """How the session ended."""
+    error: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    """The error, when the session failed."""
+
+
+class SpanStart(EventBase):
+    """A sub-agent was created and assigned a task (an orchestrator's decision)."""
+
+    type: Literal[EventType.SPAN_START] = EventType.SPAN_START
+    span_id: Name
+    """The new agent's span id."""
+    parent_span_id: Name = "root"
+    """The span that created it."""
+    role: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "subagent"
+    """The new agent's role."""
+    assignment: Text | None = None
+    """The task it was given."""
+
+
+class SpanEnd(EventBase):
+    """A sub-agent finished."""
+
+    type: Literal[EventType.SPAN_END] = EventType.SPAN_END
+    span_id: Name
+    """The span that finished."""
+    status: Literal["completed", "failed", "cancelled"] = "completed"
+    """Whether its sub-task was completed."""
+    result: Text | None = None
+    """What it reported back."""
+
+
+class Message(_Model):
+    """One chat message as the model saw it."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Text | None = None
+    name: Annotated[str, StringConstraints(max_length=128)] | None = None
+    tool_call_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+
+
+class ToolCall(_Model):
+    """A tool invocation decided by the model."""
+
+    id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    """Call id, matched by the tool result."""
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    """Tool name."""
+    arguments: Text = ""
+    """Arguments as the model wrote them (usually JSON text)."""
+
+
+class ToolResult(_Model):
+    """What a tool returned."""
+
+    tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    """The call this answers."""
+    content: Text = ""
+    """The result as fed back to the model."""
+    is_error: bool = False
+    """The tool failed (counted by the tool-error-rate detector)."""
+    document_ids: Annotated[list[Annotated[str, StringConstraints(max_length=256)]], Field(max_length=1024)] = Field(
+        default_factory=list
+    )
+    """Documents a retrieval tool returned (for retrieval rewards)."""
+
+
+class Turn(EventBase):
+    """Messages, tool calls or tool results that were not a logged model completion."""
+
+    type: Literal[EventType.TURN] = EventType.TURN
+    span: SpanRef = Field(default_factory=SpanRef)
+    """Which agent the turn belongs to."""
+    messages: Annotated[list[Message], Field(max_length=1024)] = Field(default_factory=list)
+    """Messages added to the conversation (e.g. the user's)."""
+    tool_calls: Annotated[list[ToolCall], Field(max_length=256)] = Field(default_factory=list)
+    """Tool calls made."""
+    tool_results: Annotated[list[ToolResult], Field(max_length=256)] = Field(default_factory=list)
+    """Tool results returned."""
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Turn":
+        if not (self.messages or self.tool_calls or self.tool_results):
+            raise ValueError("a turn needs at least one of messages, tool_calls, tool_results")
+        return self
+
+
+class SamplingParams(_Model):
+    """The sampling parameters of a completion request."""
+
+    temperature: float | None = Field(None, ge=0, le=10)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    seed: int | None = None
+    stop: Annotated[list[Annotated[str, StringConstraints(max_length=256)]], Field(max_length=16)] = Field(
+        default_factory=list
+    )
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_TOKENS)]
+
+
+class Completion(EventBase):
+    """One model completion, with what the trainer needs to learn from it."""
+
+    type: Literal[EventType.COMPLETION] = EventType.COMPLETION
+    completion_id: uuid.UUID = Field(default_factory=uuid7)
+    """Id that feedback may target."""
+    span: SpanRef = Field(default_factory=SpanRef)
+    """Which agent produced it."""
+    model: Annotated[str, StringConstraints(max_length=256)]
+    """The model name the request asked for / the server answered with."""
+    policy_version: Name
+    """The policy version that produced every token of it (router header or served model)."""
+    prompt_messages: Annotated[list[Message], Field(max_length=1024)] = Field(default_factory=list)
+    """The chat prompt (empty for a text completion)."""
+    prompt_text: Text | None = None
+    """The text prompt of a text completion."""
+    completion_text: Text = ""
+    """What the model generated."""
+    tool_calls: Annotated[list[ToolCall], Field(max_length=256)] = Field(default_factory=list)
+    """Tool calls parsed from the completion."""
+    finish_reason: Annotated[str, StringConstraints(max_length=32)] | None = None
+    """Why generation stopped."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Sampling parameters."""
+    prompt_token_ids: TokenIds | None = None
+    """Token ids of the prompt as the server tokenised it."""
+    completion_token_ids: TokenIds | None = None
+    """Token ids the model sampled."""
+    logprobs: Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=MAX_TOKENS)] | None = None
+    """Behaviour log-probability of each sampled token (one per completion token id)."""
+    latency_ms: float = Field(0.0, ge=0, le=86_400_000)
+    """Wall time of the request as the client saw it."""
+    served_by: Annotated[str, StringConstraints(max_length=256)] | None = None
+    """Replica that served it, when the router says."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "Completion":
+        if self.logprobs is not None:
+            if self.completion_token_ids is None:
+                raise ValueError("logprobs: given without completion_token_ids")
+            if len(self.logprobs) != len(self.completion_token_ids):
+                raise ValueError(
+                    f"logprobs: {len(self.logprobs)} values for {len(self.completion_token_ids)} completion tokens"
+                )
+            if any(lp > 0.0 for lp in self.logprobs):
+                raise ValueError("logprobs: every value must be a log-probability (<= 0)")
+        return self
+
+
+class ContextUpdate(EventBase):
+    """The agent rewrote its own context: a self-summary or pruned chunks."""
+
+    type: Literal[EventType.CONTEXT] = EventType.CONTEXT
+    span: SpanRef = Field(default_factory=SpanRef)
+    """Which agent's context changed."""
+    kind: Literal["summary", "prune"]
+    """``summary``: earlier context replaced by a summary (Composer-style); ``prune``: chunks dropped (Context-1-style)."""
+    summary: Text | None = None
+    """The summary text, for ``summary``."""
+    summary_completion_id: uuid.UUID | None = None
+    """The completion that wrote the summary, which inherits credit from what followed."""
+    replaced_through: uuid.UUID | None = None
+    """Last event id whose content the summary replaces."""
+    pruned_chunk_ids: Annotated[list[Annotated[str, StringConstraints(max_length=256)]], Field(max_length=4096)] = (
+        Field(default_factory=list)
+    )
+    """Ids of pruned chunks or documents, for ``prune``."""
+    tokens_before: int | None = Field(None, ge=0)
+    """Context size before, in tokens."""
+    tokens_after: int | None = Field(None, ge=0)
+    """Context size after, in tokens."""
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "ContextUpdate":
+        if self.kind == "summary" and not self.summary:
+            raise ValueError("summary: required when kind is 'summary'")
+        if self.kind == "prune" and not self.pruned_chunk_ids:
+            raise ValueError("pruned_chunk_ids: required when kind is 'prune'")
+        return self
+
+
+class FeedbackKind(StrEnum):
+    """What the user did with the agent's work."""
+
+    ACCEPT = "accept"
+    REJECT = "reject"
+    REVERT = "revert"
+    EDIT = "edit"
+    PERSISTED = "persisted"
+    FOLLOW_UP = "follow_up"
+    SCORE = "score"
+
+
+class Feedback(EventBase):
+    """A user signal about a session or one completion; may arrive hours later, from another process.
+
+    Feedback by completion id alone (no ``session_id``, a UUIDv7 ``completion_id``) is
+    *unattached*: it is keyed by the completion id on the topic, and ingest finds the
+    completion's session and re-produces it (same event id, ``session_id`` filled, keyed by
+    the session). Consumers other than ingest skip unattached feedback and score the copy.
+    """
+
+    session_id: Name | None = None  # type: ignore[assignment]
+    """The session it is about; may be omitted only when ``completion_id`` is set (ingest then fills it in)."""
+    type: Literal[EventType.FEEDBACK] = EventType.FEEDBACK
+    kind: FeedbackKind
+    """The signal."""
+    completion_id: uuid.UUID | None = None
+    """The completion it is about, if any (else the whole session); a UUIDv7 when ``session_id`` is omitted."""
+    score: float | None = Field(None, ge=-1e6, le=1e6)
+    """A free score, for ``score``."""
+    edit_ratio: float | None = Field(None, ge=0, le=1)
+    """Fraction of the agent's output the user changed, for ``edit``."""
+    persisted_minutes: float | None = Field(None, ge=0, le=525_600)
+    """How long the work survived unchanged, for ``persisted``."""
+    dissatisfied: bool | None = None
+    """For ``follow_up``: the user asked again or said it was wrong."""
+    text: Text | None = None
+    """The user's words, for ``follow_up`` (redacted by the SDK)."""
+    user_id: Name | None = None
+    """Who gave it."""
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "Feedback":
+        required = {
+            FeedbackKind.SCORE: "score",
+            FeedbackKind.EDIT: "edit_ratio",
+            FeedbackKind.PERSISTED: "persisted_minutes",
+        }.get(self.kind)
+        if required and getattr(self, required) is None:
+            raise ValueError(f"{required}: required when kind is '{self.kind.value}'")
+        if self.session_id is None:
+            if self.completion_id is None:
+                raise ValueError("session_id: required unless completion_id is set (feedback by completion id alone)")
+            if self.completion_id.version != 7:
+                raise ValueError(
+                    f"completion_id: must be a UUIDv7 when session_id is omitted (got version "
+                    f"{self.completion_id.version}); ingest finds the completion by the time in its id"
+                )
+        return self
+
+    @property
+    def attached(self) -> bool:
+        """Whether the feedback names its session (else ingest has yet to find it from ``completion_id``)."""
+        return self.session_id is not None
+
+    @property
+    def kafka_key(self) -> str:
+        """The session id, or for unattached feedback the completion id (canonical UUID text)."""
+        return self.session_id if self.session_id is not None else str(self.completion_id)
+
+
+class Outcome(EventBase):
+    """A named, verifiable result of the session (tests passed, task solved, a metric)."""
+
+    type: Literal[EventType.OUTCOME] = EventType.OUTCOME
+    name: Name
+    """What was measured, e.g. ``tests_passed``, ``task_solved``."""
+    value: float | bool
+    """The result."""
+    completion_id: uuid.UUID | None = None
+    """The completion it is about, if any."""
+    document_ids: Annotated[list[Annotated[str, StringConstraints(max_length=256)]], Field(max_length=4096)] = Field(
+        default_factory=list
+    )
+    """For retrieval tasks: the documents the agent finally returned."""
+    details: Metadata = Field(default_factory=dict)
+    """Flat details."""
+
+
+Event = Annotated[
+    Union[SessionStart, SessionEnd, SpanStart, SpanEnd, Turn, Completion, ContextUpdate, Feedback, Outcome],
+    Field(discriminator="type"),
+]
+"""Any event."""
+
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+EVENT_TYPES: dict[str, type[EventBase]] = {
+    cls.model_fields["type"].default.value: cls
+    for cls in (SessionStart, SessionEnd, SpanStart, SpanEnd, Turn, Completion, ContextUpdate, Feedback, Outcome)
+}
+
+
+class ContractError(ValueError):
+    """A record that is not a valid event. Not recoverable by retrying: dead-letter it.
+
+    ``field`` is the dotted path of the first offending field (``""`` for the record itself)
+    and ``reason`` says what is wrong with it.
+    """
+
+    def __init__(self, field: str, reason: str, errors: list[dict[str, str]] | None = None):
+        self.field = field
+        self.reason = reason
+        self.errors = errors or [{"field": field, "reason": reason}]
+        super().__init__(f"{field}: {reason}" if field else reason)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-\w+|[\w-]+\[.*\])$")
+"""Union member tags that pydantic puts into error locations; not field names."""
+
+
+def _field_and_reason(err: Any) -> dict[str, str]:
+    """Turn one pydantic error into ``{"field": dotted.path, "reason": text}``.
+
+    Model-level validators here word their errors ``"<field>: <reason>"``; that field is
+    lifted into the path so every rejection names what is wrong.
+    """
+    parts = [str(p) for p in err["loc"] if str(p) not in EVENT_TYPES and not _UNION_TAG.match(str(p))]
+    reason = str(err["msg"])
+    if reason.startswith("Value error, "):
+        reason = reason[len("Value error, ") :]
+        head, sep, rest = reason.partition(": ")
+        if sep and head.replace("_", "").isalnum():
+            parts.append(head)
+            reason = rest
+    return {"field": ".".join(parts), "reason": reason}
+
+
+def parse_event(data: bytes | str | dict[str, Any]) -> Event:
+    """Validate one untrusted record into an event, or raise :class:`ContractError` naming the field."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ContractError("", f"not valid UTF-8 at byte {exc.start}") from None
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ContractError("", f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ContractError("", f"an event must be a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version", None)
+    if version is None:
+        raise ContractError("schema_version", "missing")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise ContractError(
+            "schema_version",
+            f"unsupported version {version!r} (this reader supports {sorted(SUPPORTED_SCHEMA_VERSIONS)})",
+        )
+    kind = data.get("type")
+    if kind is None:
+        raise ContractError("type", "missing")
+    if kind not in EVENT_TYPES:
+        raise ContractError("type", f"unknown event type {kind!r} (known: {', '.join(sorted(EVENT_TYPES))})")
+    try:
+        return EVENT_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        errors = [_field_and_reason(err) for err in exc.errors(include_url=False)]
+        first = errors[0]
+        raise ContractError(first["field"], first["reason"], errors) from None
+
+
+def dump_event(event: EventBase) -> bytes:
+    """Serialize an event to the JSON bytes that go on the wire."""
+    return event.model_dump_json(exclude_none=True).encode("utf-8")
+
+
+def event_json_schema() -> dict[str, Any]:
+    """JSON Schema of :data:`Event` (the union of all event types)."""
+    schema = EVENT_ADAPTER.json_schema(mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = f"Flywheel event, schema version {SCHEMA_VERSION}"
+    return schema

@@ -1,0 +1,49 @@
+"""``flywheel db``: apply and roll back migrations."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)
+
+
+def _url(url: str | None) -> str:
+    if url:
+        return url
+    from flywheel.db.engine import default_url
+
+    return default_url()
+
+
+@app.command()
+def upgrade(
+    revision: str = typer.Argument("head", help="Target revision."),
+    url: str = typer.Option(None, help="Database URL (default: settings, else the local stack)."),
+) -> None:
+    """Apply migrations (``alembic upgrade``)."""
+    from flywheel.db import migrate
+
+    target = _url(url)
+    migrate.upgrade(target, revision)
+    typer.echo(f"database at {migrate.current(target)}")
+
+
+@app.command()
+def downgrade(
+    revision: str = typer.Argument("base", help="Target revision."),
+    url: str = typer.Option(None, help="Database URL (default: settings, else the local stack)."),
+) -> None:
+    """Roll migrations back (``alembic downgrade``)."""
+    from flywheel.db import migrate
+
+    target = _url(url)
+    migrate.downgrade(target, revision)
+    typer.echo(f"database at {migrate.current(target) or 'base'}")
+
+
+@app.command()
+def current(url: str = typer.Option(None, help="Database URL.")) -> None:
+    """Print the database's revision."""
+    from flywheel.db import migrate
+
+    typer.echo(migrate.current(_url(url)) or "base (empty)")

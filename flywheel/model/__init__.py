@@ -1,0 +1,1 @@
+"""The project's small base model: tokenizer, offline build, held-out evaluation."""

@@ -1,0 +1,53 @@
+"""Transports: Kafka directly, or HTTP through the gateway, behind one interface."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flywheel.contracts.topics import events_topic
+from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport, TransportUnavailable
+
+if TYPE_CHECKING:
+    from flywheel.config import SdkSettings
+
+
+def local_stack_bootstrap() -> str:
+    """The broker of the local stack (``flywheel up``), as its ``stack.json`` records it."""
+    from flywheel.stack.endpoints import kafka_bootstrap
+
+    return kafka_bootstrap()
+
+
+def make_transport(settings: SdkSettings) -> Transport:
+    """The transport that ``settings.transport`` names; raises ``ValueError`` on an unknown one."""
+    if settings.transport == "kafka":
+        from flywheel.sdk.transports.kafka import KafkaTransport
+
+        bootstrap = settings.kafka_bootstrap or local_stack_bootstrap
+        return KafkaTransport(
+            bootstrap,
+            events_topic(settings.topic_prefix),
+            linger_ms=min(settings.linger_ms, 100),
+            connect_timeout_s=settings.kafka_connect_timeout_s,
+            request_timeout_s=settings.kafka_request_timeout_s,
+        )
+    if settings.transport == "http":
+        from flywheel.sdk.transports.http import HttpTransport
+
+        if settings.write_key is None or not settings.write_key.get_secret_value():
+            raise ValueError("the http transport needs a write key: pass write_key= or set FLYWHEEL_WRITE_KEY")
+        return HttpTransport(
+            settings.gateway_url, settings.write_key.get_secret_value(), timeout_s=settings.http_timeout_s
+        )
+    raise ValueError(f"unknown transport {settings.transport!r} (known: kafka, http)")
+
+
+__all__ = [
+    "Envelope",
+    "Rejection",
+    "SendResult",
+    "Transport",
+    "TransportUnavailable",
+    "local_stack_bootstrap",
+    "make_transport",
+]

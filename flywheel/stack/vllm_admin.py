@@ -1,0 +1,152 @@
+"""A minimal client for vLLM 0.32's dev/RL endpoints (``VLLM_SERVER_DEV_MODE=1``).
+
+Routes and request shapes as defined in ``vllm/entrypoints/rl/online/api_router.py``
+and ``vllm/entrypoints/serve/dev/rpc/api_router.py``:
+
+- ``POST /pause?mode=abort|wait|keep`` → ``{"status": "paused"}``
+- ``POST /resume`` → ``{"status": "resumed"}``
+- ``GET /is_paused`` → ``{"is_paused": bool}``
+- ``POST /collective_rpc {"method": ..., "kwargs": {...}, "timeout": s}`` → ``{"results": [...]}``
+- ``POST /update_weight_version {"new_version": str}``
+- ``GET /weight_info`` → ``{"weight_version": str}``
+
+These endpoints let anyone who reaches them replace the served weights: bind replicas
+to loopback only and put the router in front.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""``abort`` in-flight requests, ``wait`` for them to finish, or ``keep`` them frozen until resume."""
+
+
+class VllmAdminError(RuntimeError):
+    """A dev endpoint answered with an error. Recoverable: the replica keeps serving its old state."""
+
+    def __init__(self, url: str, route: str, status: int, body: str):
+        self.url, self.route, self.status, self.body = url, route, status, body
+        super().__init__(f"{url}{route} answered HTTP {status}: {body[:2000]}")
+
+
+def _call(method: str, url: str, route: str, timeout_s: float, **kwargs: Any) -> Any:
+    base = url.rstrip("/")
+    try:
+        response = httpx.request(method, base + route, timeout=timeout_s, **kwargs)
+    except httpx.HTTPError as err:
+        raise VllmAdminError(base, route, 0, f"{type(err).__name__}: {err}") from err
+    if response.status_code >= 400:
+        raise VllmAdminError(base, route, response.status_code, response.text)
+    if not response.content:
+        return None
+    return response.json()
+
+
+def pause(url: str, mode: PauseMode = "keep", timeout_s: float = 120.0) -> None:
+    """Stop scheduling; with ``wait`` this returns once in-flight requests have finished."""
+    _call("POST", url, "/pause", timeout_s, params={"mode": mode})
+
+
+def resume(url: str, timeout_s: float = 30.0) -> None:
+    """Resume generation after :func:`pause`."""
+    _call("POST", url, "/resume", timeout_s)
+
+
+def is_paused(url: str, timeout_s: float = 10.0) -> bool:
+    """Whether the replica is paused."""
+    return bool(_call("GET", url, "/is_paused", timeout_s)["is_paused"])
+
+
+def collective_rpc(
+    url: str, method: str, kwargs: dict[str, Any] | None = None, timeout_s: float = 300.0
+) -> list[Any] | None:
+    """Call ``method`` on every worker; returns one result per worker (None when empty)."""
+    body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}, "timeout": timeout_s}
+    answer = _call("POST", url, "/collective_rpc", timeout_s + 10.0, json=body)
+    return None if answer is None else answer.get("results")
+
+
+class CheckpointInvalid(ValueError):
+    """A checkpoint folder is missing or unreadable; refused before it reaches a replica."""
+
+
+def check_checkpoint(weights_path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, after checking that each one's header parses.
+
+    vLLM 0.32 reloads in place: a reload that fails half-way (missing folder, truncated
+    file) leaves the replica's weights unusable and its next request crashes the engine.
+    Checking here, before the call, keeps such a checkpoint away from a serving replica.
+    """
+    folder = Path(weights_path)
+    if not folder.is_dir():
+        raise CheckpointInvalid(f"checkpoint folder {folder} does not exist")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointInvalid(f"checkpoint folder {folder} holds no *.safetensors file")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing = sorted(shards - {f.name for f in files})
+        if missing:
+            raise CheckpointInvalid(f"checkpoint {folder} lacks shards {missing}")
+    for file in files:
+        _check_safetensors_header(file)
+    return files
+
+
+def _check_safetensors_header(file: Path) -> None:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointInvalid(f"{file} is truncated (no safetensors header)")
+        length = struct.unpack("<Q", head)[0]
+        if length > size - 8:
+            raise CheckpointInvalid(f"{file} is truncated (header of {length} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as err:
+            raise CheckpointInvalid(f"{file} has an unreadable safetensors header: {err}") from err
+    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        raise CheckpointInvalid(f"{file} is truncated (tensors end at byte {8 + length + end}, file has {size})")
+
+
+def reload_weights(url: str, weights_path: str | Path, timeout_s: float = 300.0, check: bool = True) -> None:
+    """Load the weights in the folder ``weights_path`` (same architecture) into the running model.
+
+    Pause the replica first: requests running across the reload would mix two policies.
+    With ``check`` (default) the folder is validated locally first (:func:`check_checkpoint`),
+    raising :class:`CheckpointInvalid` without touching the replica; pass ``check=False``
+    only when the path exists on the replica's machine but not on this one.
+
+    A :class:`VllmAdminError` from this call means the reload failed inside vLLM: treat the
+    replica's weights as broken (restart it), do not resume serving from it.
+    """
+    if check:
+        check_checkpoint(weights_path)
+    collective_rpc(url, "reload_weights", {"weights_path": str(weights_path)}, timeout_s=timeout_s)
+
+
+def update_weight_version(url: str, version: str, timeout_s: float = 10.0) -> None:
+    """Set the version string that ``/weight_info`` reports."""
+    _call("POST", url, "/update_weight_version", timeout_s, json={"new_version": str(version)})
+
+
+def weight_info(url: str, timeout_s: float = 10.0) -> str | None:
+    """The replica's current weight version (None if never set)."""
+    return _call("GET", url, "/weight_info", timeout_s).get("weight_version")
+
+
+def health(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether ``GET /health`` answers 200."""
+    try:
+        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False

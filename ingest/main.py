@@ -1,0 +1,16 @@
+"""Entry point of ``flywheel-ingest`` (``python -m ingest.main``)."""
+
+from __future__ import annotations
+
+from ingest.cli import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Run the ``flywheel-ingest`` command line."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Self-summarisation, after Cursor Composer 2: a summary inherits credit from what followed.
+
+When the agent replaces its context with a summary (ContextUpdate ``summary``), the
+completion that wrote it (``summary_completion_id``) gets a credit of its own:
+
+``credit = credit_coef * ((downstream - baseline) - redo_penalty * redo_share)``
+
+- downstream: the outcome the session reached after the summary (outcome rules, combined
+  as the outcome extractor combines them): summaries that kept what mattered end in
+  success and are reinforced, those that lost it end in failure and are pushed down;
+- redo_share: the share of tool calls after the summary that repeat (same tool, same
+  arguments) one made before it, a sign that the summary dropped a result.
+
+The credit is added to that completion's sample only; the session reward is unchanged.
+"""
+
+from __future__ import annotations
+
+from flywheel.config import OutcomeExtractorSettings, SummarySettings
+from flywheel.contracts.events import Completion, ContextUpdate, Turn
+from rewarding.extractors.base import Components, Extractor
+from rewarding.extractors.outcome import combine, outcome_terms
+from rewarding.session_state import Session
+
+
+def tool_call_keys(events: tuple) -> list[tuple[str, str]]:
+    """(tool name, arguments) of every tool call in ``events``, in order, deduplicated by call id."""
+    seen: set[str] = set()
+    keys: list[tuple[str, str]] = []
+    for event in events:
+        if isinstance(event, (Completion, Turn)):
+            for call in event.tool_calls:
+                if call.id not in seen:
+                    seen.add(call.id)
+                    keys.append((call.name, call.arguments))
+    return keys
+
+
+def redo_share(session: Session, summary: ContextUpdate) -> float:
+    """Share of tool calls after ``summary`` that repeat a call made before it."""
+    at = session.events.index(summary)
+    before = set(tool_call_keys(session.events[:at]))
+    after = tool_call_keys(session.events[at + 1 :])
+    if not after:
+        return 0.0
+    return sum(key in before for key in after) / len(after)
+
+
+class SummaryExtractor(Extractor):
+    """Downstream credit for the completions that wrote summaries."""
+
+    name = "summary"
+    version = "1"
+
+    def __init__(self, settings: SummarySettings, outcomes: OutcomeExtractorSettings):
+        self.settings = settings
+        self.outcomes = outcomes
+
+    def extract(self, session: Session) -> Components:
+        summaries = [c for c in session.contexts if c.kind == "summary" and c.summary_completion_id is not None]
+        if not summaries:
+            return Components(value=None)
+        completion_ids = {str(c.completion_id) for c in session.completions}
+        terms = outcome_terms(session, self.outcomes.rules)
+        metrics = {"summaries": float(len(summaries))}
+        if not terms:
+            return Components(value=None, metrics=metrics, details={"missing": "outcome"})
+        downstream = combine(list(terms.values()), self.outcomes.combine)
+        s = self.settings
+        per_completion: dict[str, dict[str, float]] = {}
+        orphans = []
+        for summary in summaries:
+            target = str(summary.summary_completion_id)
+            if target not in completion_ids:
+                orphans.append(target)
+                continue
+            redo = redo_share(session, summary)
+            credit = s.credit_coef * ((downstream - s.baseline) - s.redo_penalty * redo)
+            slot = per_completion.setdefault(target, {"summary_credit": 0.0})
+            slot["summary_credit"] += credit
+            metrics["redo_share"] = max(metrics.get("redo_share", 0.0), redo)
+        metrics["downstream"] = downstream
+        details = {"unknown_summary_completions": orphans} if orphans else {}
+        return Components(value=None, per_completion=per_completion, metrics=metrics, details=details)

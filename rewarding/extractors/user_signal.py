@@ -1,0 +1,72 @@
+"""User signal: accept, reject, revert, edit size, persisted-after, dissatisfied follow-up, score.
+
+Each kind has a weight and a window (seconds after the session end in which it counts;
+before the end always counts). A kind counts once per target, the whole session or one
+completion, by its latest occurrence inside the window, so repeating a signal cannot stack
+reward. The sum is clipped to ``[-clip, clip]``. No counted signal: no value.
+"""
+
+from __future__ import annotations
+
+from flywheel.config import SignalRule, UserSignalSettings
+from flywheel.contracts.events import Feedback, FeedbackKind
+from rewarding.extractors.base import Components, Extractor
+from rewarding.session_state import Session
+
+
+def in_window(feedback: Feedback, session: Session, rule: SignalRule) -> bool:
+    """True when ``feedback`` occurred within the rule's window after the session end."""
+    if rule.window_s is None or session.ended_at is None:
+        return True
+    return (feedback.occurred_at - session.ended_at).total_seconds() <= rule.window_s
+
+
+class UserSignalExtractor(Extractor):
+    """What the user did with the agent's work -> one reward."""
+
+    name = "user_signal"
+    version = "1"
+
+    def __init__(self, settings: UserSignalSettings):
+        self.settings = settings
+
+    def rule(self, kind: FeedbackKind) -> SignalRule:
+        """The configured rule of a feedback kind."""
+        return getattr(self.settings, kind.value)
+
+    def term(self, feedback: Feedback) -> float | None:
+        """The reward of one feedback event, or None when it carries no signal."""
+        rule = self.rule(feedback.kind)
+        if feedback.kind is FeedbackKind.EDIT:
+            return rule.weight * float(feedback.edit_ratio or 0.0)
+        if feedback.kind is FeedbackKind.SCORE:
+            return rule.weight * float(feedback.score or 0.0)
+        if feedback.kind is FeedbackKind.PERSISTED:
+            minutes = float(feedback.persisted_minutes or 0.0)
+            return rule.weight if minutes >= self.settings.persisted_min_minutes else None
+        if feedback.kind is FeedbackKind.FOLLOW_UP:
+            return rule.weight if feedback.dissatisfied else None
+        return rule.weight
+
+    def extract(self, session: Session) -> Components:
+        latest: dict[tuple[str, str], float] = {}
+        outside = 0
+        for feedback in session.feedback:
+            if not in_window(feedback, session, self.rule(feedback.kind)):
+                outside += 1
+                continue
+            value = self.term(feedback)
+            target = str(feedback.completion_id) if feedback.completion_id else "session"
+            if value is None:
+                latest.pop((feedback.kind.value, target), None)
+            else:
+                latest[(feedback.kind.value, target)] = value
+        metrics = {"outside_window": float(outside)} if outside else {}
+        if not latest:
+            return Components(value=None, metrics=metrics)
+        terms: dict[str, float] = {}
+        for (kind, _target), value in sorted(latest.items()):
+            terms[kind] = terms.get(kind, 0.0) + value
+        total = sum(terms.values())
+        clip = self.settings.clip
+        return Components(value=min(max(total, -clip), clip), terms=terms, metrics=metrics)

@@ -1,0 +1,313 @@
+"""Request and response bodies of the admin API (``serving.admin``).
+
+These are the API's own models, apart from the tables (``flywheel.db.models``): ``XCreate``
+is what a client sends, ``XPublic`` what it gets back. Request models forbid unknown
+fields, so a misspelt field is refused with its name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OPS_ROLES = ("viewer", "operator", "admin")
+"""Roles accepted on the admin API, weakest first (each includes the ones before it)."""
+TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]*$"
+"""Token names: letters, digits and ``._@-`` (they appear in the audit log as ``token:<name>``)."""
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$"
+"""Checkpoint ids (``c000042-1a2b3c4d``, ``base-1a2b3c4d``): no spaces or control characters."""
+TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+"""Free text (reasons): any characters but control characters other than tab and newlines
+(Postgres refuses NUL in text and JSONB, so it is refused here with the field's name)."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorPublic(BaseModel):
+    """Every error the admin API returns: a machine-readable kind and a sentence naming what is wrong."""
+
+    error: str
+    """``unauthorized``, ``forbidden``, ``not_found``, ``conflict``, ``invalid``, ``failed`` or ``internal``."""
+    reason: str
+    """What is wrong, in words."""
+    required_role: str | None = None
+    """On 403: the role the route needs."""
+    errors: list[dict[str, Any]] | None = None
+    """On 422 from request validation: one entry per invalid field (``loc``, ``msg``, ``type``)."""
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class HeldoutEvalPublic(BaseModel):
+    """A checkpoint's held-out evaluation, as its eval gate (or the base model's build) measured it."""
+
+    success_rate: float | None = None
+    """Held-out success rate of the checkpoint."""
+    n: int | None = None
+    """Problems evaluated."""
+    key: str | None = None
+    """Evaluation setup (task version, n, seed, temperature, max tokens)."""
+    gate_passed: bool | None = None
+    """Whether the eval gate let it serve (None for a root checkpoint)."""
+    gate_reason: str | None = None
+    """The gate's verdict in words."""
+
+
+class CheckpointPublic(BaseModel):
+    """One checkpoint of the registry, as listed."""
+
+    id: str
+    policy_version: str
+    parent_id: str | None
+    status: str
+    """``candidate``, ``rejected``, ``deployed``, ``retired`` or ``deleted``."""
+    status_reason: str | None
+    format: str
+    """``full`` or ``lora``."""
+    n_samples: int
+    created_at: datetime
+    last_deployed_at: datetime | None
+    heldout: HeldoutEvalPublic | None
+    """Held-out evaluation summary; None when none was recorded."""
+
+
+class CheckpointDetailPublic(CheckpointPublic):
+    """One checkpoint with everything the registry records of it."""
+
+    base_model: str
+    path: str
+    data_window_start: datetime | None
+    data_window_end: datetime | None
+    config_hash: str | None
+    sample_ids_hash: str | None
+    metrics: dict[str, Any]
+    eval: dict[str, Any]
+
+
+class CheckpointPage(BaseModel):
+    """A page of checkpoints, newest first."""
+
+    items: list[CheckpointPublic]
+    total: int
+    """Checkpoints matching the filter, over all pages."""
+    limit: int
+    offset: int
+
+
+# --------------------------------------------------------------------------- deployments
+
+
+class CanaryCreate(_Request):
+    """Deploy a checkpoint as the fleet's canary."""
+
+    checkpoint_id: str = Field(min_length=1, max_length=64, pattern=ID_PATTERN)
+    """Registry id of the checkpoint."""
+    weight: float = Field(0.05, gt=0.0, le=1.0)
+    """Share of new sessions routed to the canary, in (0, 1]."""
+
+
+class WeightUpdate(_Request):
+    """Change the canary's traffic weight."""
+
+    weight: float = Field(gt=0.0, le=1.0)
+    """Share of new sessions routed to the canary, in (0, 1] (to stop it, roll back)."""
+    reason: str | None = Field(None, max_length=500, pattern=TEXT_PATTERN)
+    """Why (kept in the audit log)."""
+
+
+class PromoteRequest(_Request):
+    """Promote the canary to stable."""
+
+    reason: str | None = Field(None, max_length=500, pattern=TEXT_PATTERN)
+    """Why (kept in the audit log)."""
+
+
+class RollbackRequest(_Request):
+    """Roll the fleet back."""
+
+    to_checkpoint_id: str | None = Field(None, min_length=1, max_length=64, pattern=ID_PATTERN)
+    """Checkpoint to serve as stable; None ends the canary (or returns to the previous stable)."""
+    reason: str | None = Field(None, max_length=500, pattern=TEXT_PATTERN)
+    """Why (kept in the audit log)."""
+
+
+class DeploymentPublic(BaseModel):
+    """A deployment: a checkpoint's place in a fleet (stable or canary) with its traffic weight."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: int
+    fleet: str
+    checkpoint_id: str
+    policy_version: str | None = None
+    role: str
+    """``stable`` or ``canary``."""
+    weight: float
+    """Share of new sessions routed to it, 0..1."""
+    strategy: str | None = None
+    status: str
+    """``pending``, ``active``, ``promoted``, ``rolled_back``, ``failed`` or ``superseded``."""
+    reason: str | None = None
+    created_by: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    ended_at: datetime | None = None
+
+
+class ReplicaPublic(BaseModel):
+    """A vLLM replica of the fleet and what it serves."""
+
+    model_config = ConfigDict(extra="allow")
+
+    url: str
+    state: str
+    """``serving``, ``draining``, ``swapping`` or ``failed``."""
+    policy_version: str | None = None
+    checkpoint_id: str | None = None
+    deployment_id: int | None = None
+    reason: str | None = None
+    updated_at: datetime | None = None
+
+
+class FleetPublic(BaseModel):
+    """What a fleet serves: its stable and canary deployments and its replicas."""
+
+    model_config = ConfigDict(extra="allow")
+
+    fleet: str
+    stable: DeploymentPublic | None = None
+    canary: DeploymentPublic | None = None
+    """The active canary, else a pending one (being deployed), else None."""
+    replicas: list[ReplicaPublic] = Field(default_factory=list)
+
+
+class DeployResultPublic(BaseModel):
+    """What a deployment action did: the fleet's deployments after it, what it ended, the swaps it ran."""
+
+    model_config = ConfigDict(extra="allow")
+
+    action: str
+    """The audit-log action (``deploy.canary``, ``deploy.weight``, ``deploy.promote``, ``deploy.rollback``)."""
+    actor: str
+    """Who, as the audit log records it (``token:<name>``)."""
+    fleet: str
+    stable: DeploymentPublic | None = None
+    canary: DeploymentPublic | None = None
+    ended: list[dict[str, Any]] = Field(default_factory=list)
+    """Deployments this action ended (id, checkpoint, role, status, reason)."""
+    swaps: list[dict[str, Any]] = Field(default_factory=list)
+    """Per replica: from/to version, ok, reverted, reason and the drain/pause/total times."""
+
+
+# --------------------------------------------------------------------------- pause flags
+
+
+class PauseRequest(_Request):
+    """Pause or resume the trainer or the canary controller."""
+
+    reason: str | None = Field(None, max_length=500, pattern=TEXT_PATTERN)
+    """Why (kept in the audit log)."""
+
+
+class PauseStatePublic(BaseModel):
+    """A pause flag: the newest pause/resume entry of the audit log."""
+
+    paused: bool
+    actor: str | None = None
+    at: datetime | None = None
+    reason: str | None = None
+
+
+class CanaryStatusPublic(BaseModel):
+    """The canary controller's flag and the fleet's current canary."""
+
+    fleet: str
+    enabled: bool
+    """``serving.canary.enabled`` of this admin API's settings."""
+    controller: PauseStatePublic
+    """Paused through ``flywheel canary pause`` (the audit log)."""
+    canary: DeploymentPublic | None
+    """The active (else pending) canary deployment, if any."""
+    stable: DeploymentPublic | None
+    """The active stable deployment, if any."""
+
+
+class StatusPublic(BaseModel):
+    """Everything ``flywheel status`` shows of the serving side."""
+
+    fleet: FleetPublic
+    """``serving.deploy.fleet_status`` of this API's fleet."""
+    trainer: PauseStatePublic
+    canary_controller: PauseStatePublic
+
+
+# --------------------------------------------------------------------------- audit log
+
+
+class AuditPublic(BaseModel):
+    """One audit-log entry."""
+
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    target: str | None
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    details: dict[str, Any]
+    success: bool
+
+
+class AuditPage(BaseModel):
+    """Audit-log entries, newest first."""
+
+    items: list[AuditPublic]
+    limit: int
+    offset: int
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+class TokenCreate(_Request):
+    """A new ops token."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=TOKEN_NAME_PATTERN)
+    """Who or what holds it; unique among active tokens (audit rows say ``token:<name>``)."""
+    role: Literal["viewer", "operator", "admin"]
+    """viewer reads; operator also deploys, changes weights, promotes, rolls back, pauses; admin also manages tokens."""
+
+
+class TokenPublic(BaseModel):
+    """An API token as listed: never the token itself."""
+
+    id: int
+    name: str
+    role: str
+    project: str | None
+    token_prefix: str
+    """First characters of the token, to recognise it."""
+    created_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+    active: bool
+
+
+class TokenCreated(TokenPublic):
+    """A token just created: ``token`` is shown this once and never again."""
+
+    token: str
+
+
+class TokenList(BaseModel):
+    """API tokens, newest first."""
+
+    items: list[TokenPublic]

@@ -1,0 +1,159 @@
+"""The flywheel end to end, short: the demo's real loop in ``make test``.
+
+The same :func:`flywheel.demo.run_demo` as ``make demo`` (Kafka, ingest, faust rewarding,
+Celery worker and beat, the eval gate, the router, hot swap, the canary controller, the
+admin API; the agent product through the router with the official ``openai`` client), in a
+private run folder on free ports, until one checkpoint has been trained, gated, deployed
+as canary by hot swap and promoted. Then, while the services still run, the dashboard is
+opened in headless Chromium on the run's own data and a screenshot is kept.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from flywheel.config import Settings
+from flywheel.demo import DemoConfig, run_demo
+from flywheel.stack import endpoints
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+
+BUDGET_MINUTES = 12.0
+"""Longest the learning phase may run before the test fails (it ends at the first promotion)."""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def artifact_path(name: str, env: str) -> Path:
+    """Where a test artefact goes: ``$env`` if set, else ``.flywheel/artifacts/<name>`` in the repository."""
+    import os
+
+    path = Path(os.environ[env]) if os.environ.get(env) else ROOT / ".flywheel" / "artifacts" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _ports() -> dict[str, int]:
+    vllm = free_port()
+    while not _free_pair(vllm):
+        vllm = free_port()
+    return {"kafka": free_port(), "vllm": vllm, "router": free_port(), "admin": free_port()}
+
+
+def _free_pair(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            return False
+    return True
+
+
+def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    ports = _ports()
+    settings = Settings(
+        environment="test",
+        run_dir=tmp_path / "run",
+        kafka={"local_port": ports["kafka"]},
+        vllm={"base_port": ports["vllm"], "replicas": 2},
+        serving={"router_port": ports["router"], "admin_port": ports["admin"]},
+    )
+    database = f"flywheel_e2e_{uuid.uuid4().hex[:8]}"
+    seen: dict[str, Any] = {}
+
+    def on_finish(engine: Any, child_settings: Settings, summary: dict[str, Any]) -> None:
+        seen["db_url"] = engine.url.render_as_string(hide_password=False)
+        with engine.connect() as conn:
+            seen["audit"] = [
+                tuple(r)
+                for r in conn.execute(text("SELECT actor, action, success FROM audit_log WHERE action LIKE 'deploy.%' ORDER BY id"))
+            ]
+            seen["promoted"] = conn.execute(
+                text(
+                    "SELECT c.id, c.parent_id, c.eval, d.status FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
+                    "WHERE d.role = 'canary' AND d.status = 'promoted' ORDER BY d.id LIMIT 1"
+                )
+            ).mappings().first()
+            seen["replicas"] = [tuple(r) for r in conn.execute(text("SELECT state, policy_version FROM replicas"))]
+            seen["stable_version"] = conn.execute(
+                text("SELECT c.policy_version FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
+                     "WHERE d.role = 'stable' AND d.status = 'active'")  # fmt: skip
+            ).scalar_one()
+        seen["dashboard"] = _dashboard(request, engine, child_settings, seen["stable_version"])
+
+    config = DemoConfig(
+        budget_minutes=BUDGET_MINUTES,
+        target_gain_points=0.0,
+        target_promotions=1,
+        concurrency=4,
+        report_dir=tmp_path / "report",
+        live=False,
+        database=database,
+        on_finish=on_finish,
+    )
+    try:
+        summary = run_demo(config, settings)
+    finally:
+        if "db_url" in seen:
+            endpoints.drop_database(seen["db_url"])
+
+    assert summary["promotions"] >= 1, summary
+    assert summary["minutes"] <= BUDGET_MINUTES, summary
+    assert summary["failed_requests"] == 0, summary
+    assert summary["final_success"] >= summary["base_success"], summary
+    promoted = seen["promoted"]
+    assert promoted is not None and promoted["parent_id"] is not None, "the promoted checkpoint was trained from a parent"
+    assert (promoted["eval"] or {}).get("heldout"), "the promoted checkpoint went through the eval gate"
+    actions = [(actor, action, ok) for actor, action, ok in seen["audit"]]
+    assert ("canary-controller", "deploy.canary", True) in actions, actions
+    assert ("canary-controller", "deploy.promote", True) in actions, actions
+    assert all(state == "serving" and version == seen["stable_version"] for state, version in seen["replicas"]), seen
+    for name in ("plot", "summary", "decisions"):
+        assert Path(summary["report"][name]).stat().st_size > 100
+    if seen["dashboard"] is not None:
+        assert seen["stable_version"] in seen["dashboard"]["table"]
+
+
+def _dashboard(request: pytest.FixtureRequest, engine: Any, settings: Settings, stable_version: str) -> dict[str, Any] | None:
+    """Open the dashboard on the run's data with a viewer token; screenshot; None when Chromium is missing."""
+    try:
+        browser = request.getfixturevalue("browser")
+    except pytest.skip.Exception:
+        return None
+    from playwright.sync_api import expect
+    from sqlalchemy.orm import Session
+
+    from flywheel.auth import create_key
+
+    with Session(engine) as session:
+        _, token = create_key(session, name=f"e2e-viewer-{uuid.uuid4().hex[:6]}", role="viewer", created_by="e2e test")
+        session.commit()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"http://{settings.serving.admin_host}:{settings.serving.admin_port}/dashboard")
+        page.fill("#token-input", token)
+        page.click("#login-button")
+        expect(page.locator("#checkpoints-table")).to_contain_text(stable_version, timeout=30_000)
+        for plot in ("#timeline-plot", "#versions-plot"):
+            expect(page.locator(f"{plot} svg.main-svg").first).to_be_visible(timeout=30_000)
+        shot = artifact_path("dashboard-e2e.png", "FLYWHEEL_E2E_SCREENSHOT")
+        page.screenshot(path=str(shot), full_page=True)
+        print(f"dashboard screenshot of the end-to-end run: {shot}")
+        return {"table": page.text_content("#checkpoints-table") or "", "screenshot": str(shot)}
+    finally:
+        page.close()

@@ -1,0 +1,168 @@
+"""Real services for integration tests, brought up through ``flywheel.stack`` itself.
+
+Everything runs in a temporary run folder on free, non-default ports, so a test run
+never touches (or collides with) a developer's running stack. Fixtures stop what they
+start, also when a test fails; at the end of the session any process the stack code
+launched from this process and that is still alive is killed and reported as a leak.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flywheel.config import Settings
+from flywheel.stack import endpoints
+from flywheel.stack.base import port_free, spawned_alive, terminate_group
+from flywheel.stack.stack import down, up
+
+WARMUP_TIMEOUT_S = 180.0
+
+
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range, never the same one twice per session."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        if port not in _handed_out and port_free("127.0.0.1", port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port found in 20000-32000")
+
+
+def make_settings(run_dir: Path, **sections: dict) -> Settings:
+    """Settings from the environment, with ``run_dir`` and fresh ports for every local component.
+
+    ``sections`` override fields per section, e.g. ``postgres={"port": 1}``.
+    """
+    base = Settings()
+    updates = {
+        "kafka": {"local_port": free_port()},
+        "postgres": {"embedded_port": free_port()},
+        "redis": {"local_port": free_port()},
+        "vllm": {"base_port": free_port(), "replicas": 1, "startup_timeout_s": 300.0},
+    }
+    for section, fields in sections.items():
+        updates.setdefault(section, {}).update(fields)
+    copied = {name: getattr(base, name).model_copy(update=fields) for name, fields in updates.items()}
+    return base.model_copy(update={"run_dir": run_dir, "environment": "test", **copied})
+
+
+@pytest.fixture
+def unused_port() -> Callable[[], int]:
+    """Hand out ports that nothing listens on (and that no other fixture uses)."""
+    return free_port
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_orphans() -> Iterator[None]:
+    """Fail the session loudly if a launched process outlived its fixture (and kill it)."""
+    yield
+    leaked = spawned_alive()
+    for pid in leaked:
+        terminate_group(pid, grace_s=5.0)
+    assert not leaked, f"processes launched by the stack outlived the tests: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def stack_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Settings of this session's shared stack (temporary run folder, free ports)."""
+    settings = make_settings(tmp_path_factory.mktemp("stack"))
+    yield settings
+    down(settings)
+
+
+@pytest.fixture
+def settings_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Settings]]:
+    """Make settings for a private stack of one test; every such stack is taken down afterwards."""
+    made: list[Settings] = []
+
+    def factory(**sections: dict) -> Settings:
+        settings = make_settings(tmp_path_factory.mktemp("private-stack"), **sections)
+        made.append(settings)
+        return settings
+
+    yield factory
+    for settings in made:
+        down(settings)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(stack_settings: Settings) -> str:
+    """Bootstrap servers of a running Kafka-protocol broker."""
+    up(stack_settings, ["broker"])
+    return endpoints.kafka_bootstrap(stack_settings)
+
+
+@pytest.fixture(scope="session")
+def pg_url(stack_settings: Settings) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh throw-away database, dropped at the end of the session."""
+    up(stack_settings, ["postgres"])
+    url = endpoints.postgres_url(stack_settings, database=f"flywheel_test_{uuid.uuid4().hex[:12]}")
+    endpoints.ensure_database(url)
+    yield url
+    endpoints.drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def redis_url(stack_settings: Settings) -> str:
+    """URL of a running Redis."""
+    up(stack_settings, ["redis"])
+    return endpoints.redis_url(stack_settings)
+
+
+@dataclass(frozen=True)
+class VllmReplica:
+    """A running, warmed-up vLLM replica serving the project's base model."""
+
+    url: str
+    """Base URL (``http://127.0.0.1:port``, no ``/v1``)."""
+    model: str
+    """Served model name (the base model's policy version)."""
+    model_dir: Path
+    """The model folder it serves."""
+    weight_version: str
+    """Weight version set at start."""
+    pid: int | None = None
+    """The API server's process id (its engine and worker are its descendants)."""
+
+
+@pytest.fixture(scope="session")
+def base_model_dir() -> Path:
+    """The project's built base model (cached after the first build)."""
+    from flywheel.model.build import build_model
+
+    return build_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_replica(stack_settings: Settings, base_model_dir: Path) -> Iterator[VllmReplica]:
+    """One replica of the built base model, warmed up with a first request."""
+    state = up(stack_settings, ["vllm"], model_dir=base_model_dir)
+    try:
+        record = state.components["vllm-0"]
+        replica = VllmReplica(
+            url=record.where,
+            model=record.extra["served_model_name"],
+            model_dir=Path(record.extra["model_dir"]),
+            weight_version=record.extra["initial_weight_version"],
+            pid=record.pid,
+        )
+        warm = httpx.post(
+            f"{replica.url}/v1/completions",
+            json={"model": replica.model, "prompt": "warm up", "max_tokens": 4},
+            timeout=WARMUP_TIMEOUT_S,
+        )
+        warm.raise_for_status()
+        yield replica
+    finally:
+        down(stack_settings, ["vllm"])

@@ -1,0 +1,240 @@
+"""The HTTP gateway over a real uvicorn server, with a real Kafka producer and write keys in Postgres."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from typer.testing import CliRunner
+
+from flywheel.auth import create_key, revoke_key
+from flywheel.config import Settings
+from flywheel.contracts import Feedback, Message, Turn, dump_event, parse_event, uuid7
+from flywheel.contracts.topics import events_topic
+from flywheel.db.engine import session_factory
+from flywheel.db.migrate import upgrade
+from ingest.cli import app as cli_app
+from ingest.gateway import create_app
+from ingest.topics import ensure_topics
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Gateway:
+    url: str
+    settings: Settings
+    pg_url: str
+    project: str
+    key: str
+
+    def post(self, body, key: str | None = "default", **kw) -> httpx.Response:
+        headers = kw.pop("headers", {})
+        token = self.key if key == "default" else key
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        if not isinstance(body, (bytes, str)) and "content" not in kw:
+            kw["json"] = body
+        elif "content" not in kw:
+            kw["content"] = body
+        return httpx.post(f"{self.url}/v1/events", headers=headers, timeout=30, **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _key(pg_url: str, project: str, role: str = "writer") -> tuple[int, str]:
+    with session_factory(pg_url)() as session:
+        info, token = create_key(session, name=f"test-{role}", role=role, project=project if role == "writer" else None)
+        session.commit()
+    return info.id, token
+
+
+@pytest.fixture(scope="module")
+def gateway(kafka_bootstrap: str, pg_url: str) -> Iterator[Gateway]:
+    upgrade(pg_url)
+    tag = uuid.uuid4().hex[:8]
+    settings = Settings(
+        environment="test",
+        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": f"gw{tag}"},
+        postgres={"url": pg_url},
+        ingest={"partitions": 2, "max_body_bytes": 20_000, "max_event_bytes": 4_000, "max_batch_events": 10},
+    )
+    ensure_topics(settings, kafka_bootstrap)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=2)
+    app = create_app(settings, producer=producer, db_url=pg_url, key_cache_ttl_s=1.0)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    project = f"proj{tag}"
+    _, token = _key(pg_url, project)
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}", settings, pg_url, project, token)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        producer.close()
+
+
+def turn(project: str, session_id: str = "s1", content: str = "hi") -> dict:
+    event = Turn(project=project, session_id=session_id, messages=[Message(role="user", content=content)])
+    return json.loads(dump_event(event))
+
+
+def on_topic(gw: Gateway, ids: set[str], timeout_s: float = 30.0) -> dict[str, bytes]:
+    """event id → record key of the given events as found on the events topic."""
+    topic = events_topic(gw.settings.kafka.topic_prefix)
+    consumer = KafkaConsumer(bootstrap_servers=gw.settings.kafka.bootstrap_servers, enable_auto_commit=False)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        found: dict[str, bytes] = {}
+        deadline = time.monotonic() + timeout_s
+        while not ids <= set(found) and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=500).values():
+                for r in records:
+                    found[str(parse_event(r.value).event_id)] = r.key
+        return found
+    finally:
+        consumer.close()
+
+
+def test_a_valid_batch_is_202_and_on_kafka_keyed_by_session(gateway):
+    events = [turn(gateway.project, "a"), turn(gateway.project, "b")]
+    response = gateway.post({"events": events})
+    assert response.status_code == 202, response.text
+    ids = [e["event_id"] for e in events]
+    assert response.json() == {"accepted": ids, "rejected": []}
+    found = on_topic(gateway, set(ids))
+    assert found[ids[0]] == b"a" and found[ids[1]] == b"b"
+
+
+def test_feedback_by_completion_id_alone_is_accepted_and_keyed_by_the_completion(gateway):
+    cid = uuid7()
+    unattached = json.loads(dump_event(Feedback(project=gateway.project, kind="revert", completion_id=cid)))
+    assert "session_id" not in unattached
+    neither = {k: v for k, v in unattached.items() if k != "completion_id"}
+    response = gateway.post({"events": [unattached, neither]})
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["accepted"] == [unattached["event_id"]]
+    [rejected] = body["rejected"]
+    assert (rejected["index"], rejected["field"]) == (1, "session_id")
+    assert "required unless completion_id is set" in rejected["reason"]
+    found = on_topic(gateway, {unattached["event_id"]})
+    assert found[unattached["event_id"]] == str(cid).encode()
+
+
+def test_a_mixed_batch_is_422_naming_each_bad_event_while_the_good_ones_are_accepted(gateway):
+    good = [turn(gateway.project, "m1"), turn(gateway.project, "m2")]
+    bad_role = turn(gateway.project)
+    bad_role["messages"][0]["role"] = "robot"
+    big = json.loads(dump_event(Feedback(project=gateway.project, session_id="m1", kind="follow_up", text="x" * 5000)))
+    foreign = turn("someone-else")
+    items = [good[0], bad_role, {"type": "turn"}, big, foreign, good[1]]
+    response = gateway.post({"events": items})
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["accepted"] == [good[0]["event_id"], good[1]["event_id"]]
+    rejected = {r["index"]: r for r in body["rejected"]}
+    assert set(rejected) == {1, 2, 3, 4}
+    assert rejected[1]["field"] == "messages.0.role" and rejected[1]["event_id"] == bad_role["event_id"]
+    assert rejected[2]["field"] == "schema_version" and rejected[2]["event_id"] is None
+    assert "over the limit of 4000 bytes" in rejected[3]["reason"]
+    assert rejected[4]["reason"] == f"write key is scoped to project {gateway.project}"
+    found = on_topic(gateway, set(body["accepted"]))
+    assert set(body["accepted"]) <= set(found)
+    assert bad_role["event_id"] not in found and foreign["event_id"] not in found
+
+
+def test_only_foreign_events_is_403(gateway):
+    response = gateway.post({"events": [turn("other-project"), turn("other-project")]})
+    assert response.status_code == 403
+    assert response.json()["accepted"] == [] and len(response.json()["rejected"]) == 2
+
+
+def test_missing_unknown_and_revoked_keys_are_401_and_ops_tokens_403(gateway):
+    body = {"events": [turn(gateway.project)]}
+    assert gateway.post(body, key=None).status_code == 401
+    assert gateway.post(body, key="fwk_" + "x" * 32).status_code == 401
+    assert gateway.post(body, headers={"Authorization": "Basic abc"}, key=None).status_code == 401
+    key_id, token = _key(gateway.pg_url, gateway.project)
+    assert gateway.post(body, key=token).status_code == 202
+    with session_factory(gateway.pg_url)() as session:
+        revoke_key(session, key_id)
+        session.commit()
+    deadline = time.monotonic() + 10  # the gateway caches keys briefly (1 s here): a revocation shows within it
+    status = 202
+    while status == 202 and time.monotonic() < deadline:
+        status = gateway.post(body, key=token).status_code
+        time.sleep(0.5)
+    assert status == 401
+    _, ops = _key(gateway.pg_url, gateway.project, role="operator")
+    response = gateway.post(body, key=ops)
+    assert response.status_code == 403 and "cannot write events" in response.json()["detail"]
+
+
+def test_oversize_bodies_and_batches_are_413(gateway):
+    big = {"events": [turn(gateway.project, content="y" * 3000) for _ in range(8)]}  # ~26 KB > 20 KB
+    assert gateway.post(big).status_code == 413
+
+    def chunks():  # no Content-Length: the streamed size is what counts
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 4096):
+            yield payload[i : i + 4096]
+
+    assert gateway.post(None, content=chunks()).status_code == 413
+    many = {"events": [turn(gateway.project) for _ in range(11)]}
+    response = gateway.post(many)
+    assert response.status_code == 413 and "over the limit of 10" in response.json()["detail"]
+    assert gateway.post(b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+
+
+def test_openapi_and_metrics_are_served(gateway):
+    spec = httpx.get(f"{gateway.url}/openapi.json").json()
+    responses = spec["paths"]["/v1/events"]["post"]["responses"]
+    assert {"202", "401", "403", "413", "422"} <= set(responses)
+    assert "events" in spec["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "properties"
+    ]
+    assert httpx.get(f"{gateway.url}/docs").status_code == 200
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert f'flywheel_ingest_accepted_total{{project="{gateway.project}"}}' in metrics
+    assert "flywheel_ingest_rejected_total" in metrics
+
+
+def test_keys_cli_creates_lists_and_revokes(gateway):
+    runner = CliRunner()
+    args = ["keys", "create", "--project", gateway.project, "--name", "cli", "--db-url", gateway.pg_url]
+    created = runner.invoke(cli_app, args)
+    assert created.exit_code == 0, created.output
+    token = created.stdout.strip().splitlines()[-1]
+    assert token.startswith("fwk_")
+    assert gateway.post({"events": [turn(gateway.project)]}, key=token).status_code == 202
+    listed = runner.invoke(cli_app, ["keys", "list", "--project", gateway.project, "--db-url", gateway.pg_url])
+    line = next(line for line in listed.stdout.splitlines() if " cli " in line)
+    assert token not in listed.stdout and token[:12] in line and "active" in line
+    key_id = line.split()[0]
+    revoked = runner.invoke(cli_app, ["keys", "revoke", key_id, "--db-url", gateway.pg_url])
+    assert revoked.exit_code == 0, revoked.output
+    listed = runner.invoke(cli_app, ["keys", "list", "--project", gateway.project, "--db-url", gateway.pg_url])
+    assert "revoked" in next(line for line in listed.stdout.splitlines() if line.split()[0] == key_id)
+    assert runner.invoke(cli_app, ["keys", "revoke", "999999999", "--db-url", gateway.pg_url]).exit_code == 1

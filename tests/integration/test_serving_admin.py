@@ -1,0 +1,475 @@
+"""The admin API against real Postgres: authentication and roles on every route, the registry,
+deployment errors and their mapping, pause flags, tokens and the audit log.
+
+The deployment routes run the real ``serving.deploy`` functions. Without vLLM replicas they
+are driven into their refusals (unknown, rejected or undeployable checkpoint, no canary, no
+stable) and into a real failed swap (replicas registered as serving whose server is gone);
+the happy path through real replicas is in tests/integration/test_serving_admin_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flywheel.auth import create_key, revoke_key
+from flywheel.config import ServingSettings, Settings
+from flywheel.db import migrate
+from flywheel.db.engine import get_engine
+from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.stack import endpoints
+from serving.admin import PUBLIC_PATHS, READ_METHODS, ROLE_RANK, BootstrapRefused, bootstrap_admin_token, create_app, required_role
+
+pytestmark = pytest.mark.integration
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def db_url(pg_url: str) -> Iterator[str]:
+    """A fresh, migrated database of this module (dropped afterwards)."""
+    url = endpoints.with_database(pg_url, f"admin_scratch_{uuid.uuid4().hex[:10]}")
+    endpoints.ensure_database(url)
+    migrate.upgrade(url)
+    yield url
+    get_engine(url).dispose()
+    endpoints.drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def engine(db_url: str):
+    return get_engine(db_url)
+
+
+@pytest.fixture(scope="module")
+def tokens(engine) -> dict[str, str]:
+    """A token of every role, plus a revoked viewer token and a gateway write key."""
+    out = {}
+    with Session(engine) as session:
+        for role in ("viewer", "operator", "admin"):
+            out[role] = create_key(session, name=role, role=role, created_by="test")[1]
+        out["writer"] = create_key(session, name="gateway", role="writer", project="p1")[1]
+        info, out["revoked"] = create_key(session, name="old-viewer", role="viewer")
+        revoke_key(session, info.id)
+        session.commit()
+    return out
+
+
+def make_settings(fleet: str) -> Settings:
+    return Settings(environment="test", serving=ServingSettings(fleet=fleet))
+
+
+@pytest.fixture
+def fleet() -> str:
+    """A fleet name of this test alone (deployments and replicas do not leak between tests)."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def client(engine, fleet: str) -> TestClient:
+    return TestClient(create_app(make_settings(fleet), engine))
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def audit_rows(engine, **where: Any) -> list[AuditLog]:
+    with Session(engine) as session:
+        query = select(AuditLog).order_by(AuditLog.id)
+        for column, value in where.items():
+            query = query.where(getattr(AuditLog, column) == value)
+        return list(session.scalars(query))
+
+
+def last_audit_id(engine) -> int:
+    rows = audit_rows(engine)
+    return rows[-1].id if rows else 0
+
+
+def audit_since(engine, after_id: int) -> list[AuditLog]:
+    return [r for r in audit_rows(engine) if r.id > after_id]
+
+
+def concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "1", path)
+
+
+def protected_endpoints(app) -> list[tuple[str, str, APIRoute]]:
+    out = []
+    for route in app.routes:
+        if route.path in PUBLIC_PATHS:
+            continue
+        assert isinstance(route, APIRoute), f"{route.path} is not an APIRoute (cannot carry the auth dependency)"
+        out += [(method, route.path, route) for method in sorted(route.methods) if method != "HEAD"]
+    return out
+
+
+def dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def add_checkpoint(engine, checkpoint_id: str, *, parent: str | None, path: str, status: str = "candidate",
+                   success: float | None = None) -> None:
+    eval_ = {}
+    if success is not None:
+        candidate = {"success_rate": success, "n": 32}
+        eval_ = {"heldout": {"k": candidate}, "gate": {"passed": True, "reason": "passed", "key": "k", "candidate": candidate}}
+    with Session(engine) as session:
+        session.add(Checkpoint(id=checkpoint_id, policy_version=checkpoint_id, parent_id=parent, base_model=path,
+                               path=path, format="full", status=status, status_reason=f"{status} in a test",
+                               n_samples=10, eval=eval_))
+        session.commit()
+
+
+@pytest.fixture(scope="module")
+def base_id(engine, base_model_dir: Path) -> str:
+    from trainer.registry import register_base
+
+    with Session(engine) as session:
+        return register_base(session, base_model_dir)
+
+
+def stable_fleet(engine, fleet: str, base_id: str, urls: list[str]) -> int:
+    """A fleet serving the base as stable on replicas registered at ``urls`` (state serving)."""
+    with Session(engine) as session:
+        stable = Deployment(fleet=fleet, checkpoint_id=base_id, role="stable", weight=1.0, strategy="full",
+                            status="active", created_by="test")
+        session.add(stable)
+        session.flush()
+        for url in urls:
+            session.add(Replica(fleet=fleet, url=url, state="serving", policy_version=base_id, checkpoint_id=base_id,
+                                deployment_id=stable.id))
+        session.commit()
+        return stable.id
+
+
+# --------------------------------------------------------------------------- authentication and roles
+
+
+def test_health_needs_no_token(client):
+    response = client.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_every_route_refuses_missing_unknown_revoked_and_writer_tokens(client, tokens):
+    checked = 0
+    for method, path, _route in protected_endpoints(client.app):
+        url = concrete(path)
+        for headers, fragment in (({}, "missing token"), (bearer("fwo_" + "x" * 32), "unknown token"),
+                                  (bearer(tokens["revoked"]), "revoked")):
+            response = client.request(method, url, headers=headers, json={})
+            assert response.status_code == 401, (method, path, response.text)
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert fragment in response.json()["reason"], response.json()
+        response = client.request(method, url, headers=bearer(tokens["writer"]), json={})
+        assert response.status_code == 403, (method, path, response.text)
+        assert "write key" in response.json()["reason"]
+        checked += 1
+    assert checked >= 19
+
+
+def test_each_route_refuses_roles_below_its_own(engine, client, tokens):
+    before = last_audit_id(engine)
+    refused_mutations = 0
+    for method, path, route in protected_endpoints(client.app):
+        needed = required_role(route)
+        for role in ("viewer", "operator"):
+            if ROLE_RANK[role] >= ROLE_RANK[needed]:
+                continue
+            response = client.request(method, concrete(path), headers=bearer(tokens[role]), json={})
+            assert response.status_code == 403, (role, method, path, response.text)
+            body = response.json()
+            assert body["required_role"] == needed and f"needs the {needed} role" in body["reason"], body
+            if method not in READ_METHODS:
+                refused_mutations += 1
+        if method not in READ_METHODS:
+            assert ROLE_RANK[needed] >= ROLE_RANK["operator"], path
+    assert refused_mutations >= 12
+    rows = [r for r in audit_since(engine, before) if not r.success]
+    assert len(rows) == refused_mutations  # every refused mutating call is in the audit log, reads are not
+    assert {r.actor for r in rows} == {"token:viewer", "token:operator"}
+    assert all(r.details["status"] == 403 and r.details["token_id"] for r in rows)
+
+
+def test_unauthenticated_mutating_calls_are_audited_as_anonymous(engine, client):
+    before = last_audit_id(engine)
+    assert client.post("/v1/promote").status_code == 401
+    assert client.get("/v1/fleet").status_code == 401
+    [row] = audit_since(engine, before)
+    assert (row.actor, row.action, row.success, row.details["status"]) == ("anonymous", "deploy.promote", False, 401)
+
+
+def test_openapi_and_docs_need_a_viewer_token(client, tokens):
+    assert client.get("/openapi.json").status_code == 401
+    assert client.get("/docs").status_code == 401
+    schema = client.get("/openapi.json", headers=bearer(tokens["viewer"]))
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    assert {"/v1/checkpoints", "/v1/canary", "/v1/promote", "/v1/rollback", "/v1/tokens", "/v1/audit"} <= set(paths)
+    docs = client.get("/docs", headers=bearer(tokens["viewer"]))
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+
+
+def test_use_of_a_token_is_recorded(engine, client, tokens):
+    from flywheel.auth import find_key
+
+    assert client.get("/v1/trainer", headers=bearer(tokens["viewer"])).status_code == 200
+    with Session(engine) as session:
+        assert find_key(session, tokens["viewer"]).last_used_at is not None
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_list_pages_newest_first_and_show(engine, client, tokens, base_id):
+    parent = f"ck-{uuid.uuid4().hex[:6]}"
+    child = f"ck-{uuid.uuid4().hex[:6]}"
+    add_checkpoint(engine, parent, parent=base_id, path="/nowhere/a", success=0.25)
+    add_checkpoint(engine, child, parent=parent, path="/nowhere/b", status="rejected", success=0.1)
+    viewer = bearer(tokens["viewer"])
+
+    page = client.get("/v1/checkpoints", params={"limit": 2}, headers=viewer).json()
+    assert page["total"] >= 3 and page["limit"] == 2 and len(page["items"]) == 2
+    assert [i["id"] for i in page["items"]] == [child, parent]
+    first = page["items"][1]
+    assert first["parent_id"] == base_id and first["policy_version"] == parent and first["status"] == "candidate"
+    assert first["heldout"]["success_rate"] == 0.25 and first["heldout"]["gate_passed"] is True
+    assert first["created_at"]
+    second = client.get("/v1/checkpoints", params={"limit": 2, "offset": 2}, headers=viewer).json()
+    assert base_id in [i["id"] for i in second["items"]]
+    rejected = client.get("/v1/checkpoints", params={"status": "rejected"}, headers=viewer).json()
+    assert child in [i["id"] for i in rejected["items"]] and all(i["status"] == "rejected" for i in rejected["items"])
+
+    detail = client.get(f"/v1/checkpoints/{parent}", headers=viewer).json()
+    assert detail["path"] == "/nowhere/a" and detail["eval"]["gate"]["passed"] is True and "metrics" in detail
+    missing = client.get("/v1/checkpoints/nope", headers=viewer)
+    assert missing.status_code == 404 and missing.json() == {"error": "not_found", "reason": "no checkpoint 'nope' in the registry"}
+    bad = client.get("/v1/checkpoints", params={"limit": 0, "status": "shiny"}, headers=viewer)
+    assert bad.status_code == 422 and "query.limit" in bad.json()["reason"] and "query.status" in bad.json()["reason"]
+
+
+# --------------------------------------------------------------------------- deployment routes: errors and audit
+
+
+def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens, base_id, fleet):
+    operator = bearer(tokens["operator"])
+    rejected = f"ck-{uuid.uuid4().hex[:6]}"
+    add_checkpoint(engine, rejected, parent=base_id, path="/nowhere/r", status="rejected")
+
+    cases = [
+        ("POST", "/v1/canary", {"checkpoint_id": "nope", "weight": 0.05}, 404, "not_found", "no checkpoint 'nope'", "deploy"),
+        ("POST", "/v1/canary", {"checkpoint_id": rejected, "weight": 0.05}, 422, "invalid", "is rejected", "deploy"),
+        ("POST", "/v1/canary", {"checkpoint_id": base_id, "weight": 1.5}, 422, "invalid", "body.weight", "api"),
+        ("POST", "/v1/canary", {"checkpoint_id": base_id, "wieght": 0.5}, 422, "invalid", "body.wieght", "api"),
+        ("PUT", "/v1/canary/weight", {"weight": 0.5}, 409, "conflict", "no active canary", "deploy"),
+        ("PUT", "/v1/canary/weight", {"weight": 0}, 422, "invalid", "body.weight", "api"),
+        ("POST", "/v1/promote", {}, 409, "conflict", "no active canary to promote", "deploy"),
+        ("POST", "/v1/rollback", {"to_checkpoint_id": base_id}, 409, "conflict", "no active stable", "deploy"),
+    ]
+    for method, path, body, status, kind, fragment, writer in cases:
+        before = last_audit_id(engine)
+        response = client.request(method, path, json=body, headers=operator)
+        assert response.status_code == status, (path, body, response.text)
+        answer = response.json()
+        assert answer["error"] == kind and fragment in answer["reason"], answer
+        [row] = audit_since(engine, before)  # one row: the deploy function's, or the API's when it never got there
+        assert row.success is False and row.actor == "token:operator" and row.target == f"fleet:{fleet}", row.details
+        assert row.action == {"/v1/canary": "deploy.canary", "/v1/canary/weight": "deploy.weight",
+                              "/v1/promote": "deploy.promote", "/v1/rollback": "deploy.rollback"}[path]
+        if writer == "api":
+            assert row.details["status"] == status and fragment in row.details["reason"]
+        else:
+            assert row.details["error"] == kind and row.details["token_id"]
+
+
+def test_a_full_weight_canary_needs_a_spare_replica(engine, client, tokens, base_id, fleet, base_model_dir):
+    from serving.fleet import ensure_fleet
+
+    ensure_fleet(engine, make_settings(fleet), urls=[dead_url()], model_dir=base_model_dir)
+    candidate = f"ck-{uuid.uuid4().hex[:6]}"
+    add_checkpoint(engine, candidate, parent=base_id, path=str(base_model_dir))
+    response = client.post("/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"]))
+    assert response.status_code == 409 and "would leave no stable replica" in response.json()["reason"]
+
+
+def test_a_failed_swap_is_502_and_the_canary_ends_failed(engine, client, tokens, base_id, fleet, base_model_dir, tmp_path):
+    urls = [dead_url(), dead_url()]
+    stable_fleet(engine, fleet, base_id, urls)
+    candidate = f"ck-{uuid.uuid4().hex[:6]}"
+    shutil.copytree(base_model_dir, tmp_path / candidate)
+    add_checkpoint(engine, candidate, parent=base_id, path=str(tmp_path / candidate))
+
+    before = last_audit_id(engine)
+    response = client.post("/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"]))
+    assert response.status_code == 502, response.text
+    body = response.json()
+    assert body["error"] == "failed" and urls[-1] in body["reason"] and "unreachable" in body["reason"]
+    with Session(engine) as session:
+        row = session.scalars(select(Deployment).where(Deployment.fleet == fleet, Deployment.role == "canary")).one()
+        assert row.status == "failed" and row.created_by == "token:operator"
+    [deploy_row] = [r for r in audit_since(engine, before) if r.action == "deploy.canary"]
+    assert deploy_row.success is False and deploy_row.details["error"] == "failed"
+    fleet_now = client.get("/v1/fleet", headers=bearer(tokens["viewer"])).json()
+    assert fleet_now["canary"] is None and fleet_now["stable"]["checkpoint_id"] == base_id
+    assert {r["url"] for r in fleet_now["replicas"]} == set(urls)
+
+
+def test_fleet_and_status_views(client, tokens, engine, base_id, fleet):
+    viewer = bearer(tokens["viewer"])
+    empty = client.get("/v1/fleet", headers=viewer).json()
+    assert empty == {"fleet": fleet, "stable": None, "canary": None, "replicas": []}
+    stable_fleet(engine, fleet, base_id, [dead_url()])
+    fleet_now = client.get("/v1/fleet", headers=viewer).json()
+    assert fleet_now["stable"]["checkpoint_id"] == base_id and fleet_now["stable"]["weight"] == 1.0
+    assert fleet_now["replicas"][0]["state"] == "serving"
+    status = client.get("/v1/status", headers=viewer).json()
+    assert status["fleet"]["stable"]["id"] == fleet_now["stable"]["id"]
+    assert set(status) == {"fleet", "trainer", "canary_controller"}
+    canary = client.get("/v1/canary", headers=viewer).json()
+    assert canary["fleet"] == fleet and canary["canary"] is None and canary["stable"]["checkpoint_id"] == base_id
+
+
+# --------------------------------------------------------------------------- pause flags
+
+
+@pytest.mark.parametrize("what,action", [("trainer", "trainer"), ("canary", "canary")])
+def test_pause_and_resume_are_audited_under_the_token(engine, client, tokens, what, action):
+    operator = bearer(tokens["operator"])
+    before = last_audit_id(engine)
+    paused = client.post(f"/v1/{what}/pause", json={"reason": "incident 42"}, headers=operator)
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["paused"] is True and paused.json()["actor"] == "token:operator"
+    view = client.get("/v1/status", headers=bearer(tokens["viewer"])).json()
+    assert view["trainer" if what == "trainer" else "canary_controller"]["paused"] is True
+    resumed = client.post(f"/v1/{what}/resume", headers=operator)
+    assert resumed.status_code == 200 and resumed.json()["paused"] is False
+    rows = audit_since(engine, before)
+    assert [(r.action, r.actor, r.success) for r in rows] == [
+        (f"{action}.pause", "token:operator", True), (f"{action}.resume", "token:operator", True)]
+    assert rows[0].details["reason"] == "incident 42" and rows[0].before == {"paused": False}
+    bad = client.post(f"/v1/{what}/pause", json={"reason": "x" * 600}, headers=operator)
+    assert bad.status_code == 422 and "body.reason" in bad.json()["reason"]
+    assert audit_since(engine, rows[-1].id)[-1].success is False
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def test_token_lifecycle_through_the_api(engine, client, tokens):
+    admin = bearer(tokens["admin"])
+    name = f"ci-{uuid.uuid4().hex[:6]}"
+    before = last_audit_id(engine)
+
+    created = client.post("/v1/tokens", json={"name": name, "role": "operator"}, headers=admin)
+    assert created.status_code == 201, created.text
+    new = created.json()
+    assert new["token"].startswith("fwo_") and new["token"].startswith(new["token_prefix"]) and new["active"]
+    assert client.get("/v1/fleet", headers=bearer(new["token"])).status_code == 200
+
+    listed = client.get("/v1/tokens", headers=admin).json()["items"]
+    mine = [t for t in listed if t["id"] == new["id"]]
+    assert mine and "token" not in mine[0] and mine[0]["role"] == "operator"
+    assert all("token" not in t and "token_hash" not in t for t in listed)
+
+    dup = client.post("/v1/tokens", json={"name": name, "role": "viewer"}, headers=admin)
+    assert dup.status_code == 409 and "already named" in dup.json()["reason"]
+    for body, field in (({"name": "has space", "role": "viewer"}, "body.name"), ({"name": "w", "role": "writer"}, "body.role")):
+        bad = client.post("/v1/tokens", json=body, headers=admin)
+        assert bad.status_code == 422 and field in bad.json()["reason"], bad.json()
+
+    revoked = client.delete(f"/v1/tokens/{new['id']}", headers=admin)
+    assert revoked.status_code == 200 and revoked.json()["active"] is False
+    refused = client.get("/v1/fleet", headers=bearer(new["token"]))
+    assert refused.status_code == 401 and "revoked" in refused.json()["reason"]
+    assert client.delete("/v1/tokens/999999999", headers=admin).status_code == 404
+
+    rows = audit_since(engine, before)
+    assert [(r.action, r.success) for r in rows] == [
+        ("token.create", True), ("token.create", False), ("token.create", False), ("token.create", False),
+        ("token.revoke", True), ("token.revoke", False)]
+    assert all(r.actor == "token:admin" for r in rows)
+    assert rows[0].target == f"api_key:{new['id']}" and rows[0].after["name"] == name
+    assert rows[4].before["active"] is True and rows[4].after["active"] is False
+    assert new["token"] not in json.dumps([[r.before, r.after, r.details] for r in rows], default=str)
+
+
+def test_the_first_admin_bootstrap_applies_only_without_an_admin(engine, tokens):
+    with pytest.raises(BootstrapRefused, match="an active admin token exists"):
+        bootstrap_admin_token(engine, "root", "cli:test")
+
+
+# --------------------------------------------------------------------------- audit log
+
+
+def test_audit_log_filters(engine, client, tokens):
+    viewer = bearer(tokens["viewer"])
+    client.post("/v1/trainer/pause", headers=bearer(tokens["operator"]))
+    client.post("/v1/trainer/resume", headers=bearer(tokens["operator"]))
+    client.post("/v1/promote", headers=viewer)  # refused: audited as a failure
+
+    page = client.get("/v1/audit", params={"action": "trainer.resume", "limit": 1}, headers=viewer).json()
+    assert len(page["items"]) == 1 and page["items"][0]["action"] == "trainer.resume" and page["limit"] == 1
+    failed = client.get("/v1/audit", params={"success": "false", "actor": "token:viewer"}, headers=viewer).json()["items"]
+    assert failed and all(not i["success"] and i["actor"] == "token:viewer" for i in failed)
+    assert failed[0]["action"] == "deploy.promote"  # newest first
+    prefixed = client.get("/v1/audit", params={"action_prefix": "trainer."}, headers=viewer).json()["items"]
+    assert prefixed and all(i["action"].startswith("trainer.") for i in prefixed)
+    ids = [i["id"] for i in client.get("/v1/audit", headers=viewer).json()["items"]]
+    assert ids == sorted(ids, reverse=True)
+    bad = client.get("/v1/audit", params={"since": "yesterday"}, headers=viewer)
+    assert bad.status_code == 422 and "query.since" in bad.json()["reason"]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "method,path,content,status,fragment",
+    [
+        ("POST", "/v1/canary", '{"checkpoint_id": "a\\u0000b", "weight": 0.1}', 422, "body.checkpoint_id"),
+        ("POST", "/v1/trainer/pause", '{"reason": "a\\u0000b"}', 422, "body.reason"),
+        ("POST", "/v1/rollback", '{"to_checkpoint_id": "x y"}', 422, "body.to_checkpoint_id"),
+        ("PUT", "/v1/canary/weight", '{"weight": NaN}', 422, "body.weight"),
+        ("PUT", "/v1/canary/weight", '{"weight": "lots"}', 422, "body.weight"),
+        ("POST", "/v1/canary", "not json", 422, "JSON decode error"),
+        ("POST", "/v1/canary", "[1, 2]", 422, "body"),
+        ("POST", "/v1/canary", "[" * 60000, 400, "error parsing the body"),
+        ("POST", "/v1/canary", '{"checkpoint_id": "' + "x" * 70000 + '"}', 413, "over the limit"),
+        ("GET", "/v1/audit?actor=%00", None, 422, "query.actor"),
+        ("GET", "/v1/checkpoints/a%00b", None, 422, "path.checkpoint_id"),
+        ("GET", "/v1/audit?limit=100000000000000000000", None, 422, "query.limit"),
+        ("DELETE", "/v1/tokens/99999999999999999999999", None, 422, "path.token_id"),
+    ],
+)
+def test_bad_input_is_refused_naming_what_is_wrong(client, tokens, method, path, content, status, fragment):
+    headers = {**bearer(tokens["admin"]), "content-type": "application/json"}
+    response = client.request(method, path, content=content, headers=headers)
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"] and fragment in body["reason"], body
+
+
+def test_a_streamed_oversize_body_is_refused(client, tokens):
+    def chunks():
+        for _ in range(100):
+            yield b"x" * 1000
+
+    headers = {**bearer(tokens["operator"]), "content-type": "application/json"}
+    response = client.post("/v1/promote", content=chunks(), headers=headers)
+    assert response.status_code == 413 and "over the limit of 65536 bytes" in response.json()["reason"]

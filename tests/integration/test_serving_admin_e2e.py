@@ -1,0 +1,184 @@
+"""Deploy, weight, promote and roll back through the ``flywheel`` CLI and the admin API, end to end:
+two real vLLM replicas of the base model, the real ``serving.deploy`` hot swaps, a real admin
+API server (uvicorn) and Postgres. Nothing is mocked.
+
+The candidate checkpoint is a copy of the base folder registered under its own id and policy
+version: the swap reloads it and sets that version, so ``/weight_info`` of each replica says
+which checkpoint it serves.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner
+
+from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
+from flywheel.auth import create_key
+from flywheel.cli import app as cli_app
+from flywheel.config import Settings, get_settings
+from flywheel.db import migrate
+from flywheel.db.engine import get_engine
+from flywheel.db.models import AuditLog, Checkpoint
+from flywheel.stack import endpoints, vllm_admin
+from flywheel.stack.stack import down, up
+from flywheel.stack.vllm import policy_version_of
+from serving.admin import create_app
+from serving.fleet import ensure_fleet
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+
+CANDIDATE = "e2e-candidate-1"
+
+
+@pytest.fixture(scope="module")
+def db_url(pg_url: str) -> Iterator[str]:
+    url = endpoints.with_database(pg_url, f"admin_e2e_{uuid.uuid4().hex[:10]}")
+    endpoints.ensure_database(url)
+    migrate.upgrade(url)
+    yield url
+    get_engine(url).dispose()
+    endpoints.drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Settings:
+    return make_settings(
+        tmp_path_factory.mktemp("admin-e2e"),
+        vllm={"replicas": 2},
+        postgres={"url": db_url},
+        serving={"fleet": "e2e", "refresh_s": 0.2, "drain_timeout_s": 20.0, "canary_replicas": 1,
+                 "admin_port": free_port()},
+    )
+
+
+@pytest.fixture(scope="module")
+def replicas(settings: Settings, base_model_dir: Path) -> Iterator[list[str]]:
+    """Two warmed-up replicas of the base model."""
+    try:
+        state = up(settings, ["vllm"], model_dir=base_model_dir)
+        urls = [state.components[f"vllm-{i}"].where for i in range(2)]
+        model = policy_version_of(base_model_dir)
+        for url in urls:
+            warm = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 4},
+                              timeout=WARMUP_TIMEOUT_S)
+            warm.raise_for_status()
+        yield urls
+    finally:
+        down(settings, ["vllm"])
+
+
+@pytest.fixture(scope="module")
+def base_version(base_model_dir: Path) -> str:
+    return policy_version_of(base_model_dir)
+
+
+@pytest.fixture(scope="module")
+def fleet(db_url, settings, replicas, base_model_dir, base_version, tmp_path_factory) -> list[str]:
+    """The fleet registered (base as stable) and a candidate checkpoint in the registry."""
+    engine = get_engine(db_url)
+    ensure_fleet(engine, settings, replicas, model_dir=base_model_dir)
+    path = tmp_path_factory.mktemp("ckpt") / CANDIDATE
+    shutil.copytree(base_model_dir, path)
+    with Session(engine) as session:
+        session.add(Checkpoint(id=CANDIDATE, policy_version=CANDIDATE, parent_id=base_version,
+                               base_model=str(base_model_dir), path=str(path), format="full", status="candidate",
+                               status_reason="e2e test checkpoint"))
+        session.commit()
+    return replicas
+
+
+@pytest.fixture(scope="module")
+def server(db_url: str, settings: Settings, fleet) -> Iterator[str]:
+    config = uvicorn.Config(create_app(settings, get_engine(db_url)), host="127.0.0.1",
+                            port=settings.serving.admin_port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{settings.serving.admin_port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ops_token(db_url: str) -> str:
+    with Session(get_engine(db_url)) as session:
+        token = create_key(session, name="ops", role="operator")[1]
+        session.commit()
+    return token
+
+
+def flywheel(server: str, token: str, *args: str):
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(cli_app, [*args, "--url", server], env={"FLYWHEEL_TOKEN": token})
+    finally:
+        get_settings.cache_clear()
+
+
+def versions(urls: list[str]) -> list[str | None]:
+    return [vllm_admin.weight_info(u) for u in urls]
+
+
+def test_deploy_weight_promote_and_rollback_through_the_cli_and_the_api(db_url, server, ops_token, fleet, base_version):
+    result = flywheel(server, ops_token, "deploy", CANDIDATE, "--weight", "0.1")
+    assert result.exit_code == 0, result.output
+    assert "deploy.canary done by token:ops" in result.output
+    assert versions(fleet) == [base_version, CANDIDATE]  # one replica takes the canary, never both
+
+    result = flywheel(server, ops_token, "canary", "weight", "0.5")
+    assert result.exit_code == 0, result.output
+    status = flywheel(server, ops_token, "status", "--no-stack")
+    assert status.exit_code == 0, status.output
+    assert f"canary  checkpoint={CANDIDATE} version={CANDIDATE} weight=0.50 status=active" in status.output
+
+    result = flywheel(server, ops_token, "promote", "--reason", "non-inferior")
+    assert result.exit_code == 0, result.output
+    assert versions(fleet) == [CANDIDATE, CANDIDATE]
+
+    result = flywheel(server, ops_token, "rollback", "--reason", "complaints")  # to the previous stable
+    assert result.exit_code == 0, result.output
+    assert versions(fleet) == [base_version, base_version]
+
+    auth = {"Authorization": f"Bearer {ops_token}"}
+    answer = httpx.post(f"{server}/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.05}, headers=auth, timeout=900)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["canary"]["checkpoint_id"] == CANDIDATE and answer.json()["actor"] == "token:ops"
+    answer = httpx.post(f"{server}/v1/rollback", json={}, headers=auth, timeout=900)  # ends the canary
+    assert answer.status_code == 200 and answer.json()["canary"] is None, answer.text
+    assert versions(fleet) == [base_version, base_version]
+
+    result = flywheel(server, ops_token, "rollback", "--to", CANDIDATE)  # the stable to any checkpoint
+    assert result.exit_code == 0, result.output
+    assert versions(fleet) == [CANDIDATE, CANDIDATE]
+    fleet_now = httpx.get(f"{server}/v1/fleet", headers=auth, timeout=30).json()
+    assert fleet_now["stable"]["checkpoint_id"] == CANDIDATE and fleet_now["canary"] is None
+    assert {r["policy_version"] for r in fleet_now["replicas"]} == {CANDIDATE}
+
+    with Session(get_engine(db_url)) as session:
+        rows = list(session.scalars(select(AuditLog).where(AuditLog.action.startswith("deploy.")).order_by(AuditLog.id)))
+    assert [(r.action, r.actor, r.success) for r in rows] == [
+        ("deploy.canary", "token:ops", True), ("deploy.weight", "token:ops", True),
+        ("deploy.promote", "token:ops", True), ("deploy.rollback", "token:ops", True),
+        ("deploy.canary", "token:ops", True), ("deploy.rollback", "token:ops", True),
+        ("deploy.rollback", "token:ops", True)]
+    assert rows[2].details["reason"] == "non-inferior" and rows[2].details["token_id"]
+    assert rows[2].before["stable"]["checkpoint_id"] == base_version and rows[2].after["stable"]["checkpoint_id"] == CANDIDATE

@@ -1,0 +1,350 @@
+"""The router in front of two real vLLM replicas, with its routing table in a real Postgres.
+
+The replicas serve the project's base model; the "canary" is the same weights under a
+second policy version (set through ``/update_weight_version``), which is all the router
+looks at. The replicas and deployments rows are written here directly. The router runs
+in-process (uvicorn in a thread) so the test can read its counters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import Engine, delete, update
+from sqlalchemy.orm import Session
+
+from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
+from flywheel.config import Settings
+from flywheel.db import migrate
+from flywheel.db.engine import get_engine
+from flywheel.db.models import Checkpoint, Deployment, Replica
+from flywheel.stack import endpoints, vllm_admin
+from flywheel.stack.base import load_state
+from flywheel.stack.stack import down, up
+from serving.router import Router, create_app, uvicorn_config
+
+pytestmark = pytest.mark.integration
+
+FLEET = "router-test"
+CANARY = "canary-same-weights"
+
+
+@dataclass
+class Fleet:
+    """Two replicas, their stack settings, and the database the router reads."""
+
+    settings: Settings
+    urls: list[str]
+    base_version: str
+    engine: Engine
+    model_dir: Path
+
+
+class RouterThread:
+    """The router app served by uvicorn in a background thread."""
+
+    def __init__(self, settings: Settings, engine: Engine):
+        self.port = free_port()
+        self.app = create_app(settings, engine)
+        config = uvicorn_config(self.app, "127.0.0.1", self.port)
+        config.loop = "asyncio"  # keep uvloop's global policy out of the test process
+        import uvicorn
+
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)
+
+    @property
+    def router(self) -> Router:
+        return self.app.router
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> RouterThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def warm(url: str, model: str) -> None:
+    httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 4},
+               timeout=WARMUP_TIMEOUT_S).raise_for_status()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(pg_url: str, base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two warmed-up replicas of the base model and a fresh, migrated database naming them."""
+    settings = make_settings(tmp_path_factory.mktemp("router-stack"), vllm={"replicas": 2})
+    db_url = endpoints.with_database(pg_url, f"router_{uuid.uuid4().hex[:10]}")
+    endpoints.ensure_database(db_url)
+    migrate.upgrade(db_url)
+    engine = get_engine(db_url)
+    try:
+        state = up(settings, ["vllm"], model_dir=base_model_dir)
+        records = [state.components[f"vllm-{i}"] for i in range(2)]
+        base = records[0].extra["served_model_name"]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda r: warm(r.where, base), records))
+        with Session(engine) as s:
+            for version, parent in ((base, None), (CANARY, base)):
+                s.add(Checkpoint(id=version, policy_version=version, parent_id=parent, base_model=str(base_model_dir),
+                                 path=str(base_model_dir), format="full", status="deployed"))  # fmt: skip
+                s.flush()
+            s.commit()
+        yield Fleet(settings, [r.where for r in records], base, engine, base_model_dir)
+    finally:
+        down(settings, ["vllm"])
+        engine.dispose()
+        endpoints.drop_database(db_url)
+
+
+def configure(fleet: Fleet, versions: list[str], canary_weight: float | None, states: list[str] | None = None) -> None:
+    """Replica ``i`` reports and is recorded as ``versions[i]``; stable = base, canary = CANARY at ``canary_weight``."""
+    for url, version in zip(fleet.urls, versions):
+        vllm_admin.update_weight_version(url, version)
+    with Session(fleet.engine) as s:
+        s.execute(delete(Replica))
+        s.execute(update(Deployment).values(status="superseded"))
+        s.add(Deployment(fleet=FLEET, checkpoint_id=fleet.base_version, role="stable", weight=1.0, status="active"))
+        if canary_weight is not None:
+            s.add(Deployment(fleet=FLEET, checkpoint_id=CANARY, role="canary", weight=canary_weight, status="active"))
+        for i, (url, version) in enumerate(zip(fleet.urls, versions)):
+            state = states[i] if states else "serving"
+            s.add(Replica(fleet=FLEET, url=url, state=state, policy_version=version, checkpoint_id=version))
+        s.commit()
+
+
+def router_settings(fleet: Fleet) -> Settings:
+    serving = fleet.settings.serving.model_copy(
+        update={"fleet": FLEET, "refresh_s": 0.2, "health_interval_s": 0.3, "health_timeout_s": 2.0, "eject_after_failures": 2}
+    )
+    return fleet.settings.model_copy(update={"serving": serving})
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def routable_urls(router: Router) -> set[str]:
+    return {v.url for views in router.routes.by_version.values() for v in views}
+
+
+@pytest.fixture
+def stable_router(fleet: Fleet) -> Iterator[RouterThread]:
+    """Both replicas on the base version (no canary), the router ready on both."""
+    configure(fleet, [fleet.base_version] * 2, None)
+    with RouterThread(router_settings(fleet), fleet.engine) as rt:
+        wait_for(lambda: routable_urls(rt.router) == set(fleet.urls), 20, "both replicas routable")
+        yield rt
+
+
+def test_openai_client_through_the_router(fleet: Fleet, stable_router: RouterThread) -> None:
+    client = openai.OpenAI(api_key="unused", base_url=f"{stable_router.url}/v1", max_retries=0)
+    messages = [{"role": "user", "content": "2+3="}]
+
+    raw = client.chat.completions.with_raw_response.create(model=fleet.base_version, messages=messages, max_tokens=8)
+    chat = raw.parse()
+    assert raw.headers["x-flywheel-policy-version"] == fleet.base_version
+    assert raw.headers["x-flywheel-replica"] in fleet.urls
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
+    assert chat.flywheel == {"policy_version": fleet.base_version, "replica": raw.headers["x-flywheel-replica"]}
+
+    raw = client.completions.with_raw_response.create(model=fleet.base_version, prompt="1+1=", max_tokens=8)
+    text = raw.parse()
+    assert raw.headers["x-flywheel-policy-version"] == fleet.base_version and text.choices[0].text is not None
+    assert text.model == fleet.base_version  # rewritten to what the replica serves
+
+    with client.chat.completions.with_streaming_response.create(
+        model=fleet.base_version, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    ) as response:
+        assert response.headers["x-flywheel-policy-version"] == fleet.base_version
+        assert response.headers["x-flywheel-replica"] in fleet.urls
+        chunks = list(response.parse())
+    assert len(chunks) > 2 and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+    with client.completions.with_streaming_response.create(
+        model=fleet.base_version, prompt="7+1=", max_tokens=12, stream=True
+    ) as response:
+        assert response.headers["x-flywheel-policy-version"] == fleet.base_version
+        pieces = [c.choices[0].text for c in response.parse() if c.choices]
+    assert len(pieces) > 1
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [fleet.base_version]
+    assert httpx.get(f"{stable_router.url}/health").status_code == 200
+    ready = httpx.get(f"{stable_router.url}/ready")
+    assert ready.status_code == 200 and set(ready.json()["routable"][fleet.base_version]) == set(fleet.urls)
+    metrics = httpx.get(f"{stable_router.url}/router/metrics").text
+    assert "flywheel_router_requests_total" in metrics and fleet.base_version in metrics
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [("POST", "/pause"), ("POST", "/resume"), ("POST", "/collective_rpc"), ("POST", "/update_weight_version"),
+     ("GET", "/weight_info"), ("GET", "/is_paused"), ("POST", "/v1/load_lora_adapter"), ("GET", "/metrics"),
+     ("POST", "/tokenize"), ("GET", "/v1/chat/completions/../../pause"), ("POST", "/v1/embeddings")],
+)  # fmt: skip
+def test_dev_endpoints_are_not_reachable(fleet: Fleet, stable_router: RouterThread, method: str, path: str) -> None:
+    before = {u: vllm_admin.is_paused(u) for u in fleet.urls}
+    response = httpx.request(method, stable_router.url + path, json={"method": "reload_weights"})
+    assert response.status_code == 404, response.text
+    assert "no route" in response.json()["error"]["message"]
+    assert {u: vllm_admin.is_paused(u) for u in fleet.urls} == before == {u: False for u in fleet.urls}
+
+
+def test_bad_requests_get_a_reason(fleet: Fleet, stable_router: RouterThread) -> None:
+    url = f"{stable_router.url}/v1/completions"
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    too_big = httpx.post(url, content=b"x" * (2 << 20))
+    assert too_big.status_code == 413 and "exceeds" in too_big.json()["error"]["message"]
+    unknown = httpx.post(url, json={"model": "gpt-9", "prompt": "x", "max_tokens": 2})
+    assert unknown.status_code == 404 and fleet.base_version in unknown.json()["error"]["message"]
+    wrong_method = httpx.get(url)
+    assert wrong_method.status_code == 405
+    upstream_400 = httpx.post(url, json={"model": fleet.base_version, "prompt": "x", "max_tokens": -1})
+    assert upstream_400.status_code == 400  # vLLM's own validation answer, passed through
+    assert upstream_400.headers["x-flywheel-policy-version"] == fleet.base_version
+
+
+def test_sessions_stay_on_one_version_at_half_canary(fleet: Fleet) -> None:
+    configure(fleet, [fleet.base_version, CANARY], 0.5)
+    with RouterThread(router_settings(fleet), fleet.engine) as rt:
+        wait_for(lambda: len(rt.router.routes.by_version) == 2, 20, "both versions routable")
+        client = openai.OpenAI(api_key="unused", base_url=f"{rt.url}/v1", max_retries=0)
+        seen: dict[str, set[tuple[str, str]]] = {}
+
+        def session_run(i: int) -> None:
+            sid = f"session-{i}"
+            for turn in range(4):
+                if i % 2:  # half the sessions identify themselves by the header, half by the body's user
+                    raw = client.completions.with_raw_response.create(
+                        model=fleet.base_version, prompt=f"{turn}+1=", max_tokens=2, extra_headers={"x-flywheel-session-id": sid})
+                else:  # any served name will do: the router rewrites it for the replica it picks
+                    raw = client.completions.with_raw_response.create(
+                        model=CANARY, prompt=f"{turn}+1=", max_tokens=2, user=sid)
+                seen.setdefault(sid, set()).add((raw.headers["x-flywheel-policy-version"], raw.headers["x-flywheel-replica"]))
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(session_run, range(40)))
+    assert all(len(pairs) == 1 for pairs in seen.values()), {s: p for s, p in seen.items() if len(p) > 1}
+    versions = Counter(next(iter(p))[0] for p in seen.values())
+    assert set(versions) == {fleet.base_version, CANARY} and min(versions.values()) >= 8, versions
+    expected = {fleet.base_version: fleet.urls[0], CANARY: fleet.urls[1]}
+    assert all(expected[v] == r for pairs in seen.values() for v, r in pairs)
+
+
+def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
+    configure(fleet, [fleet.base_version] * 2, None, states=["serving", "draining"])
+    with RouterThread(router_settings(fleet), fleet.engine) as rt:
+        wait_for(lambda: routable_urls(rt.router) == {fleet.urls[0]}, 20, "the serving replica routable")
+        replicas = Counter()
+        for i in range(20):
+            r = httpx.post(f"{rt.url}/v1/completions", json={"model": fleet.base_version, "prompt": f"{i}", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200
+            replicas[r.headers["x-flywheel-replica"]] += 1
+        assert replicas == {fleet.urls[0]: 20}
+        with Session(fleet.engine) as s:  # the swap is done: it serves again
+            s.execute(update(Replica).where(Replica.url == fleet.urls[1]).values(state="serving"))
+            s.commit()
+        wait_for(lambda: routable_urls(rt.router) == set(fleet.urls), 20, "the drained replica back")
+
+
+def open_stream(router_url: str, model: str) -> tuple[Any, str, Iterator[Any]]:
+    """A long text stream (8 x 240 tokens) through the router, after its first chunk: (context, replica, rest)."""
+    client = openai.OpenAI(api_key="unused", base_url=f"{router_url}/v1", max_retries=0)
+    context = client.completions.with_streaming_response.create(
+        model=model, prompt="1", max_tokens=240, n=8, stream=True, extra_body={"ignore_eos": True}
+    )
+    response = context.__enter__()
+    chunks = iter(response.parse())
+    next(chunks)
+    return context, response.headers["x-flywheel-replica"], chunks
+
+
+def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: Fleet) -> None:
+    configure(fleet, [fleet.base_version] * 2, None)
+    with RouterThread(router_settings(fleet), fleet.engine) as rt:
+        wait_for(lambda: routable_urls(rt.router) == set(fleet.urls), 20, "both replicas routable")
+        stop = threading.Event()
+        results: list[tuple[float, int, str | None]] = []
+
+        def load() -> None:
+            with httpx.Client(timeout=120) as http:
+                while not stop.is_set():
+                    r = http.post(f"{rt.url}/v1/completions", json={"model": fleet.base_version, "prompt": "3+4=", "max_tokens": 16})
+                    results.append((time.monotonic(), r.status_code, r.headers.get("x-flywheel-replica")))
+
+        workers = [threading.Thread(target=load) for _ in range(6)]
+        for w in workers:
+            w.start()
+        streams = []
+        try:
+            wait_for(lambda: {r for _, _, r in results} == set(fleet.urls), 60, "load on both replicas")
+            # Long streams that have started (first chunk read): the first one's replica survives;
+            # the first one landing elsewhere (least outstanding) is broken by the kill at once.
+            streams.append(open_stream(rt.url, fleet.base_version))
+            survivor = streams[0][1]
+            for _ in range(8):
+                streams.append(open_stream(rt.url, fleet.base_version))
+                if streams[-1][1] != survivor:
+                    break
+            broken = streams[-1]
+            victim = broken[1]
+            assert victim != survivor, "every stream went to the same replica"
+            pid = load_state(fleet.settings).components[f"vllm-{fleet.urls.index(victim)}"].pid
+            os.killpg(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(openai.APIError, match="failed mid-stream"):  # started: an error event, not silence
+                list(broken[2])
+            for _, _, chunks in streams[:-1]:
+                assert len(list(chunks)) > 10
+            wait_for(lambda: rt.router.health[victim].ejected, 20, "the killed replica ejected")
+            time.sleep(2.0)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(120)
+            for context, _, _ in streams:
+                context.__exit__(None, None, None)
+        after = [(s, r) for t, s, r in results if t > killed_at + 0.5]
+        assert all(s == 200 for _, s, _ in results), Counter(s for _, s, _ in results)
+        assert after and all(r == survivor for _, r in after)
+        assert rt.router.metrics.ejections.labels(victim)._value.get() >= 1
+
+        up(fleet.settings, ["vllm"], model_dir=fleet.model_dir)  # restarts the dead replica
+        warm(victim, fleet.base_version)
+        wait_for(lambda: victim in routable_urls(rt.router), 30, "the restarted replica back in rotation")
+        served = Counter(
+            httpx.post(f"{rt.url}/v1/completions", json={"model": fleet.base_version, "prompt": "1", "max_tokens": 2},
+                       timeout=60).headers["x-flywheel-replica"]  # fmt: skip
+            for _ in range(30)
+        )
+        assert served[victim] > 0 and rt.router.metrics.rejoins.labels(victim)._value.get() >= 1

@@ -1,0 +1,383 @@
+"""Training cycles against real Postgres, Redis, Celery workers and the project's base model.
+
+Samples are real: episodes of the calculator task sampled from the base model with their
+sampling logprobs, scored by the task's outcome (``test_trainer_rollouts.sample_rows``).
+Every test gets its own throw-away database on the test server and its own checkpoint
+folder; Celery tests run real workers (``flywheel-trainer worker``) on a private queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, select, text
+
+from flywheel.config import Settings, get_settings
+from flywheel.db import migrate
+from flywheel.db.models import Checkpoint, TrainingCycle
+from flywheel.stack import endpoints
+
+from test_trainer_rollouts import insert_rows, sample_rows
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TASK = "trainer.train_cycle"
+FAST = {
+    "min_samples": 16,
+    "window_settle_s": 0.0,
+    "gate_n": 32,
+    "gate_batch_size": 32,
+    "learning_rate": 3e-4,
+    "epochs": 1,
+    "mini_batch_samples": 24,
+    "show_progress": False,
+    "time_limit_s": 600.0,
+    "torch_threads": 2,
+}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def scored_rows(base_model_dir: Path) -> list[dict[str, Any]]:
+    """48 real scored episodes: 12 problems x 4 samples (the group key is the problem)."""
+    return sample_rows(base_model_dir, n_problems=12, group_size=4, seed=11)
+
+
+@pytest.fixture
+def db_url(pg_url: str) -> Iterator[str]:
+    """A fresh, migrated database of this test alone (dropped afterwards)."""
+    url = endpoints.with_database(pg_url, f"trainer_scratch_{uuid.uuid4().hex[:10]}")
+    endpoints.ensure_database(url)
+    migrate.upgrade(url)
+    yield url
+    from flywheel.db.engine import get_engine
+
+    get_engine(url).dispose()
+    endpoints.drop_database(url)
+
+
+def make_settings(db_url: str, base_model_dir: Path, tmp_path: Path, redis_url: str | None = None, **trainer: Any) -> Settings:
+    """Settings for one test: its database, checkpoint folder, queue and fast training."""
+    fields = FAST | {
+        "checkpoint_dir": tmp_path / "checkpoints",
+        "metrics_textfile": tmp_path / "trainer.prom",
+        "queue": f"trainer-test-{uuid.uuid4().hex[:8]}",
+    } | trainer
+    return Settings(
+        environment="test",
+        run_dir=tmp_path / "run",
+        postgres={"url": db_url},
+        redis={"url": redis_url},
+        model=get_settings().model.model_copy(update={"cache_dir": base_model_dir.parent}),
+        trainer=fields,
+    )
+
+
+def env_of(settings: Settings) -> dict[str, str]:
+    """Environment variables that give a subprocess the same settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env |= {
+        "FLYWHEEL_ENVIRONMENT": "test",
+        "FLYWHEEL_RUN_DIR": str(settings.run_dir),
+        "FLYWHEEL_POSTGRES__URL": str(settings.postgres.url),
+        "FLYWHEEL_REDIS__URL": str(settings.redis.url),
+        "FLYWHEEL_MODEL__CACHE_DIR": str(settings.model.cache_dir),
+        "TQDM_DISABLE": "1",
+    }
+    for name, value in settings.trainer.model_dump(mode="json").items():
+        if value is not None:
+            env[f"FLYWHEEL_TRAINER__{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
+def rows_of(url: str, model: Any) -> list[Any]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(select(model).order_by(model.created_at if model is Checkpoint else model.id)))
+    finally:
+        engine.dispose()
+
+
+def trained_checkpoints(url: str) -> list[Any]:
+    return [c for c in rows_of(url, Checkpoint) if c.parent_id is not None]
+
+
+def visible_folders(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".")) if root.exists() else []
+
+
+def state_dict(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- inline cycles
+
+
+def test_cycle_on_real_samples_trains_a_checkpoint(db_url, base_model_dir, scored_rows, tmp_path):
+    from trainer.ckpt import read_sidecar
+    from trainer.cycle import run_cycle
+
+    ids = insert_rows(db_url, scored_rows)
+    settings = make_settings(db_url, base_model_dir, tmp_path)
+    outcome = run_cycle("manual:first", "manual", settings)
+
+    assert outcome.status in ("candidate", "rejected"), outcome
+    [ckpt] = trained_checkpoints(db_url)
+    assert ckpt.id == outcome.checkpoint_id == ckpt.policy_version
+    folder = Path(ckpt.path)
+    assert folder.resolve().parent == settings.trainer.checkpoint_dir.resolve()
+    sidecar = read_sidecar(folder)
+    assert sorted(sidecar.sample_ids) == sorted(ids)
+    assert sidecar.parent_id == ckpt.parent_id and ckpt.parent_id.startswith("base-")
+    [cycle] = rows_of(db_url, TrainingCycle)
+    assert sorted(cycle.sample_ids) == sorted(ids)
+    assert cycle.checkpoint_id == ckpt.id and cycle.status == ckpt.status
+
+    # The weights moved, and the loss on the cycle's own batch went down.
+    before, after = state_dict(base_model_dir), state_dict(folder)
+    assert before.keys() == after.keys()
+    assert any(not (before[k] == after[k]).all() for k in before)
+    assert sidecar.metrics["loss_after"] < sidecar.metrics["loss_before"]
+    step = sidecar.steps[0]
+    for key in ("loss", "reward_mean", "adv_mean", "adv_std", "ratio_mean", "ratio_max", "clip_frac", "kl", "tokens_per_s"):
+        assert key in step
+    assert abs(step["ratio_mean"] - 1.0) < 0.05  # on-policy data: ratios start at 1
+    assert "passed" in ckpt.status_reason or "regressed" in ckpt.status_reason
+    assert ckpt.eval["gate"]["parent"]["n"] == 32
+
+    # Prometheus text file.
+    prom = settings.trainer.metrics_textfile.read_text()
+    assert "flywheel_trainer_step_loss" in prom and "flywheel_trainer_cycle_loss_after" in prom
+
+    # The same key again replays the outcome; nothing new is written.
+    again = run_cycle("manual:first", "manual", settings)
+    assert again.replayed and again.checkpoint_id == outcome.checkpoint_id
+    assert len(rows_of(db_url, TrainingCycle)) == 1
+
+
+def test_too_little_data_is_skipped_with_its_reason_and_pause_skips(db_url, base_model_dir, scored_rows, tmp_path):
+    from sqlalchemy.orm import Session
+
+    from trainer import registry
+    from trainer.cycle import run_cycle
+
+    insert_rows(db_url, scored_rows[:5])
+    settings = make_settings(db_url, base_model_dir, tmp_path)
+    outcome = run_cycle("manual:few", "manual", settings)
+    assert outcome.status == "skipped"
+    assert "too few samples: 5 < min_samples 16" in outcome.reason
+
+    with Session(create_engine(db_url)) as session:
+        registry.set_paused(session, True, "test", "incident 42")
+    paused = run_cycle("manual:paused", "manual", settings)
+    assert paused.status == "skipped" and "paused by test" in paused.reason and "incident 42" in paused.reason
+    with Session(create_engine(db_url)) as session:
+        assert registry.set_paused(session, False, "test").paused is False
+
+    cycles = rows_of(db_url, TrainingCycle)
+    assert [c.status for c in cycles] == ["skipped", "skipped"]
+    assert trained_checkpoints(db_url) == []
+    assert visible_folders(settings.trainer.checkpoint_dir) == []
+
+
+def test_gate_rejects_a_damaged_checkpoint(db_url, base_model_dir, scored_rows, tmp_path):
+    from trainer.cycle import run_cycle
+
+    insert_rows(db_url, scored_rows)
+    # A learning rate of 1 on every weight wrecks the policy: the gate must catch it.
+    settings = make_settings(db_url, base_model_dir, tmp_path, learning_rate=1.0, grad_clip=1e6)
+    outcome = run_cycle("manual:damage", "manual", settings)
+    assert outcome.status == "rejected", outcome
+    [ckpt] = trained_checkpoints(db_url)
+    assert ckpt.status == "rejected"
+    gate = ckpt.eval["gate"]
+    assert not gate["passed"]
+    assert gate["candidate"]["success_rate"] < gate["parent"]["success_rate"] - gate["margin"]
+    assert f"{gate['candidate']['success_rate']:.3f} vs parent {gate['parent']['success_rate']:.3f}" in outcome.reason
+
+
+def test_lora_cycle_writes_an_adapter(db_url, base_model_dir, scored_rows, tmp_path):
+    from trainer.ckpt import load_policy
+    from trainer.cycle import run_cycle
+
+    insert_rows(db_url, scored_rows)
+    settings = make_settings(db_url, base_model_dir, tmp_path, mode="lora", learning_rate=2e-3)
+    outcome = run_cycle("manual:lora", "manual", settings)
+    assert outcome.status in ("candidate", "rejected"), outcome
+    [ckpt] = trained_checkpoints(db_url)
+    assert ckpt.format == "lora" and ckpt.base_model == str(base_model_dir.resolve())
+    folder = Path(ckpt.path)
+    assert (folder / "adapter_model.safetensors").is_file() and not (folder / "model.safetensors").exists()
+    model, _ = load_policy(folder, "lora", ckpt.base_model, trainable=False)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b)  # B starts at zero: it was trained
+    assert ckpt.metrics["loss_after"] < ckpt.metrics["loss_before"]
+
+
+# --------------------------------------------------------------------------- Celery workers
+
+
+def start_worker(settings: Settings, log: Path, pool: str = "solo", concurrency: int = 1) -> subprocess.Popen:
+    command = [sys.executable, "-m", "trainer.main", "worker", "--pool", pool, "--concurrency", str(concurrency),
+               "--loglevel", "INFO"]
+    return subprocess.Popen(command, env=env_of(settings), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, settings: Settings) -> None:
+    """Kill the worker (its whole process group) and delete its private queue from Redis."""
+    import redis
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    queue = settings.trainer.queue
+    client = redis.Redis.from_url(settings.redis.url)
+    for tag, raw in client.hgetall("unacked").items():  # kombu's unacked messages of a killed worker
+        if json.loads(raw)[2] == queue:
+            client.hdel("unacked", tag)
+            client.zrem("unacked_index", tag)
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+
+
+def client(settings: Settings) -> Any:
+    from celery import Celery
+
+    return Celery("trainer-test-client", broker=settings.redis.url, backend=settings.redis.url)
+
+
+def send(settings: Settings, key: str) -> Any:
+    return client(settings).send_task(TASK, kwargs={"trigger": "manual", "idempotency_key": key}, queue=settings.trainer.queue)
+
+
+def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"worker exited while waiting for {what}:\n{log.read_text()[-3000:] if log else ''}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else ""))
+
+
+def test_two_concurrent_triggers_produce_one_cycle(db_url, base_model_dir, scored_rows, tmp_path, redis_url):
+    insert_rows(db_url, scored_rows)
+    settings = make_settings(db_url, base_model_dir, tmp_path, redis_url)
+    log = tmp_path / "worker.log"
+    worker = start_worker(settings, log, pool="prefork", concurrency=2)
+    try:
+        first, second = send(settings, "manual:a"), send(settings, "manual:b")
+        results = [first.get(timeout=300), second.get(timeout=300)]
+    finally:
+        stop(worker, settings)
+    statuses = sorted(r["status"] for r in results)
+    assert statuses[1] == "skipped" and statuses[0] in ("candidate", "rejected"), (results, log.read_text()[-3000:])
+    skipped = next(r for r in results if r["status"] == "skipped")
+    assert skipped["reason"] == "another cycle is running"
+    assert len(trained_checkpoints(db_url)) == 1
+    trained = [c for c in rows_of(db_url, TrainingCycle) if c.status != "skipped"]
+    assert len(trained) == 1
+
+
+def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(db_url, base_model_dir, scored_rows, tmp_path, redis_url):
+    from trainer.cycle import run_cycle
+
+    insert_rows(db_url, scored_rows)
+    # A long training loop (many epochs) so the kill lands in the middle of it.
+    slow = make_settings(db_url, base_model_dir, tmp_path, redis_url, epochs=100, mini_batch_samples=4)
+    log = tmp_path / "worker.log"
+    worker = start_worker(slow, log, pool="solo")
+    try:
+        send(slow, "manual:doomed")
+
+        def training() -> Any:
+            rows = [c for c in rows_of(db_url, TrainingCycle) if c.status == "running"]
+            return rows and rows[0].metrics.get("phase") == "train" and rows[0].metrics.get("step", 0) >= 2
+
+        wait_for(training, 300, "the cycle to reach its training loop", worker, log)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+    finally:
+        stop(worker, slow)
+
+    [running] = rows_of(db_url, TrainingCycle)
+    assert running.status == "running"  # nobody could record anything
+    assert trained_checkpoints(db_url) == []
+    assert visible_folders(slow.trainer.checkpoint_dir) == []
+    engine = create_engine(db_url)
+    with engine.connect() as conn:  # the advisory lock died with the worker's connection
+        assert conn.execute(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")).scalar() == 0
+    engine.dispose()
+
+    # The next cycle marks the lost one and trains (the same data is still unconsumed).
+    outcome = run_cycle("manual:next", "manual", make_settings(db_url, base_model_dir, tmp_path, redis_url))
+    assert outcome.status in ("candidate", "rejected"), outcome
+    lost, done = rows_of(db_url, TrainingCycle)
+    assert (lost.status, lost.reason) == ("failed", "worker lost")
+    assert done.checkpoint_id == outcome.checkpoint_id
+    root = slow.trainer.checkpoint_dir
+    assert [p.name for p in visible_folders(root)] == [outcome.checkpoint_id]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_windows_advance_and_retention_deletes_old_checkpoints(db_url, base_model_dir, scored_rows, tmp_path):
+    from trainer.ckpt import read_sidecar
+    from trainer.cycle import run_cycle
+
+    settings = make_settings(db_url, base_model_dir, tmp_path, keep_latest=1, parent="latest")
+    batches = []
+    for i in range(3):
+        batches.append(insert_rows(db_url, scored_rows[16 * i : 16 * (i + 1)]))
+        outcome = run_cycle(f"manual:{i}", "manual", settings)
+        assert outcome.status in ("candidate", "rejected"), outcome
+        # Each cycle trains on exactly the rows that arrived since the previous checkpoint.
+        assert sorted(read_sidecar(Path(trained_checkpoints(db_url)[-1].path)).sample_ids) == sorted(batches[-1])
+    checkpoints = trained_checkpoints(db_url)
+    assert len(checkpoints) == 3
+    deleted = [c for c in checkpoints if c.status == "deleted"]
+    kept = [c for c in checkpoints if c.status != "deleted"]
+    assert deleted and checkpoints[-1] in kept  # the latest is always kept
+    assert all(not Path(c.path).exists() for c in deleted)
+    assert all(Path(c.path).is_dir() for c in kept)
+    assert Path(rows_of(db_url, Checkpoint)[0].path).is_dir()  # the base model is never touched
+
+
+def test_cycle_past_its_time_limit_fails_with_the_reason(db_url, base_model_dir, scored_rows, tmp_path):
+    from trainer.cycle import run_cycle
+
+    insert_rows(db_url, scored_rows)
+    settings = make_settings(db_url, base_model_dir, tmp_path, time_limit_s=10.0, epochs=100, mini_batch_samples=4)
+    outcome = run_cycle("manual:slow", "manual", settings)
+    assert outcome.status == "failed" and outcome.reason.startswith("time limit (10 s)"), outcome
+    assert trained_checkpoints(db_url) == []
+    assert visible_folders(settings.trainer.checkpoint_dir) == []
+
+
+def test_cycle_under_torchrun(db_url, base_model_dir, scored_rows, tmp_path):
+    from trainer.cycle import run_cycle
+
+    insert_rows(db_url, scored_rows)
+    settings = make_settings(db_url, base_model_dir, tmp_path, nproc_per_node=2)
+    outcome = run_cycle("manual:dist", "manual", settings)
+    assert outcome.status in ("candidate", "rejected"), outcome
+    [ckpt] = trained_checkpoints(db_url)
+    assert ckpt.metrics["loss_after"] < ckpt.metrics["loss_before"]
+    assert not [p for p in settings.trainer.checkpoint_dir.iterdir() if p.name.startswith(".tmp-")]

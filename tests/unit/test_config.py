@@ -1,0 +1,37 @@
+"""Settings: environment overrides, constraints, placeholder secrets refused in production."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from flywheel.config import Settings
+
+
+def test_nested_environment_overrides(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS", "broker:9092")
+    monkeypatch.setenv("FLYWHEEL_VLLM__REPLICAS", "3")
+    s = Settings()
+    assert s.kafka.bootstrap_servers == "broker:9092"
+    assert s.vllm.replicas == 3
+
+
+def test_constraints_name_the_field(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_VLLM__REPLICAS", "99")
+    with pytest.raises(ValidationError, match="vllm.replicas"):
+        Settings()
+
+
+def test_head_dim_below_64_refused():
+    with pytest.raises(ValidationError, match="head_dim 16"):
+        Settings(model={"hidden_size": 64, "num_heads": 4, "num_kv_heads": 1})
+
+
+@pytest.mark.parametrize("secret", ["changeme", "dev-only-secret", "short"])
+def test_placeholder_secret_refused_in_production(secret):
+    with pytest.raises(ValidationError, match="secret_key"):
+        Settings(environment="production", secret_key=secret)
+
+
+def test_real_secret_accepted_in_production():
+    assert Settings(environment="production", secret_key="x" * 12 + "Q7#kLm2p").environment == "production"

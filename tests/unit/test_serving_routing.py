@@ -1,0 +1,210 @@
+"""The router's pure decisions: split, stickiness, LRU/TTL, ejection, least outstanding, body splicing."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from serving.router import splice_tag
+from serving.routing import (
+    DeploymentEntry,
+    ReplicaHealth,
+    ReplicaRow,
+    RoutingTable,
+    StickyTable,
+    build_routes,
+    decide,
+    least_outstanding,
+    pick_role,
+    routable,
+    served_model_name,
+    session_bucket,
+)
+
+A, B, C = "http://a:1", "http://b:2", "http://c:3"
+
+
+def table(canary_weight: float | None = 0.5, replicas: list[tuple[str, str, str | None]] | None = None) -> RoutingTable:
+    deployments = {"stable": DeploymentEntry("stable", "v1", 1.0, 1)}
+    if canary_weight is not None:
+        deployments["canary"] = DeploymentEntry("canary", "v2", canary_weight, 2)
+    rows = replicas if replicas is not None else [(A, "serving", "v1"), (B, "serving", "v2")]
+    return RoutingTable(deployments=deployments, replicas=tuple(ReplicaRow(u, s, v) for u, s, v in rows))
+
+
+def healthy(t: RoutingTable, reported: dict[str, str | None] | None = None) -> dict[str, ReplicaHealth]:
+    out = {}
+    for row in t.replicas:
+        h = ReplicaHealth(2)
+        h.probe_ok((reported or {}).get(row.url, row.policy_version))
+        out[row.url] = h
+    return out
+
+
+def test_buckets_are_deterministic_and_roughly_uniform() -> None:
+    assert session_bucket("s-1") == session_bucket("s-1") != session_bucket("s-2")
+    buckets = [session_bucket(f"session-{i}") for i in range(20_000)]
+    assert all(0.0 <= b < 1.0 for b in buckets)
+    share = sum(b < 0.25 for b in buckets) / len(buckets)
+    assert 0.23 < share < 0.27
+
+
+def test_raising_the_canary_weight_only_moves_sessions_from_stable_to_canary() -> None:
+    sessions = [f"s{i}" for i in range(5000)]
+    weights = [0.0, 0.05, 0.25, 0.5, 1.0]
+    roles = {w: [pick_role(session_bucket(s), w) for s in sessions] for w in weights}
+    for low, high in zip(weights, weights[1:]):
+        moved_back = sum(a == "canary" and b == "stable" for a, b in zip(roles[low], roles[high]))
+        assert moved_back == 0
+    assert roles[0.0].count("canary") == 0 and roles[1.0].count("stable") == 0
+    assert 0.45 < roles[0.5].count("canary") / len(sessions) < 0.55
+
+
+def test_routable_needs_serving_row_passing_probe_and_matching_weight_version() -> None:
+    t = table(replicas=[(A, "serving", "v1"), (B, "draining", "v1"), (C, "serving", "v1")])
+    health = healthy(t, {C: "v0"})
+    assert [routable(r, health[r.url]) for r in t.replicas] == [True, False, False]
+    assert not routable(t.replicas[0], None)
+    assert not routable(t.replicas[0], ReplicaHealth(2))  # never probed
+
+
+def test_ejection_state_machine() -> None:
+    h = ReplicaHealth(eject_after=3)
+    h.probe_ok("v1")
+    assert h.healthy
+    assert not h.failure("refused") and not h.failure("refused") and h.healthy
+    h.request_ok()  # a real answer resets the count
+    assert not h.failure("x") and not h.failure("x")
+    assert h.failure("x") and h.ejected and not h.healthy  # third consecutive failure ejects
+    assert not h.failure("x")  # already ejected: no second ejection
+    h.request_ok()
+    assert h.ejected  # only a probe brings it back
+    assert h.probe_ok("v1") and h.healthy and h.failures == 0
+    assert not h.probe_ok("v1")  # not a rejoin when it was not ejected
+    with pytest.raises(ValueError):
+        ReplicaHealth(0)
+
+
+def test_sticky_table_lru_and_ttl() -> None:
+    sticky = StickyTable(ttl_s=10.0, max_sessions=3)
+    for i, s in enumerate("abc"):
+        sticky.put(s, f"v{i}", now=0.0)
+    assert sticky.get("a", now=1.0) == "v0"  # touch a: b is now the least recently used
+    sticky.put("d", "v3", now=2.0)
+    assert len(sticky) == 3 and sticky.get("b", now=2.0) is None
+    assert sticky.get("a", now=10.5) == "v0"  # touched at 1.0 (+10), again now
+    assert sticky.get("c", now=10.5) is None  # last used at 0.0: expired
+    sticky.put("e", "v4", now=30.0)  # everything older expires on the way
+    assert len(sticky) == 1 and sticky.get("e", now=30.0) == "v4"
+    sticky.put("e", "v5", now=31.0)
+    assert sticky.get("e", now=31.0) == "v5"
+
+
+def test_sessions_stay_on_their_version_while_the_weight_changes() -> None:
+    sticky = StickyTable(3600, 1000)
+    routes = build_routes(table(0.5), healthy(table(0.5)))
+    first = {f"s{i}": decide(routes, f"s{i}", sticky, 0.0).policy_version for i in range(400)}
+    assert set(first.values()) == {"v1", "v2"}
+    for weight in (0.0, 1.0, 0.3):
+        t = table(weight)
+        routes = build_routes(t, healthy(t))
+        for s, version in first.items():
+            d = decide(routes, s, sticky, 1.0)
+            assert d.policy_version == version and d.sticky
+
+
+def test_a_rolled_back_canary_moves_its_sessions_to_stable() -> None:
+    sticky = StickyTable(3600, 1000)
+    t = table(1.0)
+    decision = decide(build_routes(t, healthy(t)), "s", sticky, 0.0)
+    assert (decision.policy_version, decision.role) == ("v2", "canary")
+    rolled_back = table(None, replicas=[(A, "serving", "v1"), (B, "serving", "v1")])
+    decision = decide(build_routes(rolled_back, healthy(rolled_back)), "s", sticky, 1.0)
+    assert (decision.policy_version, decision.role, decision.sticky) == ("v1", "stable", False)
+    assert sticky.get("s", 2.0) == "v1"
+
+
+def test_requests_without_a_session_are_split_per_request() -> None:
+    t = table(0.25)
+    routes = build_routes(t, healthy(t))
+    rng = random.Random(7)
+    picks = [decide(routes, None, StickyTable(10, 100), 0.0, rng).policy_version for _ in range(4000)]
+    assert 0.22 < picks.count("v2") / len(picks) < 0.28
+
+
+def test_fallbacks_when_a_version_has_no_routable_replica() -> None:
+    sticky = StickyTable(3600, 1000)
+    t = table(1.0, replicas=[(A, "serving", "v1"), (B, "swapping", "v2")])
+    d = decide(build_routes(t, healthy(t)), "s", sticky, 0.0)
+    assert d.policy_version == "v1"  # canary has no replica: stable
+    t = table(0.0, replicas=[(A, "serving", "v0")])  # mid-promotion: only an old version answers
+    assert decide(build_routes(t, healthy(t)), None, sticky, 0.0).policy_version == "v0"
+    t = table(0.0, replicas=[(A, "failed", "v1")])
+    assert decide(build_routes(t, healthy(t)), "x", sticky, 0.0) is None
+
+
+def test_canary_weight_is_zero_without_a_distinct_canary() -> None:
+    assert table(None).canary_weight == 0.0
+    same = RoutingTable(
+        deployments={"stable": DeploymentEntry("stable", "v1", 1.0), "canary": DeploymentEntry("canary", "v1", 0.5)},
+        replicas=(),
+    )
+    assert same.canary_weight == 0.0
+    assert table(1.7).canary_weight == 1.0
+
+
+def test_least_outstanding_within_a_version() -> None:
+    t = table(0.0, replicas=[(A, "serving", "v1"), (B, "serving", "v1"), (C, "serving", "v1")])
+    views = build_routes(t, healthy(t)).by_version["v1"]
+    assert least_outstanding(views, {A: 3, B: 1, C: 2}).url == B
+    assert least_outstanding(views, {A: 3, B: 1, C: 2}, exclude={B}).url == C
+    assert least_outstanding(views, {}, exclude={A, B, C}) is None
+    ties = {least_outstanding(views, {A: 1}, rng=random.Random(i)).url for i in range(50)}
+    assert ties == {B, C}
+
+
+def test_served_model_name() -> None:
+    assert served_model_name(["base-1", "ckpt-7"], "ckpt-7") == "ckpt-7"  # a LoRA adapter served by name
+    assert served_model_name(["base-1"], "ckpt-7") == "base-1"  # full weights under the base name
+    assert served_model_name(None, "ckpt-7") is None
+
+
+def test_splice_tag_keeps_the_body_valid_json() -> None:
+    tag = b',"flywheel":{"policy_version":"v1","replica":"r"}}'
+    body = json.loads(splice_tag(b'{"id": "x", "choices": []}\n', tag))
+    assert body == {"id": "x", "choices": [], "flywheel": {"policy_version": "v1", "replica": "r"}}
+    assert json.loads(splice_tag(b"{ }", tag)) == {"flywheel": {"policy_version": "v1", "replica": "r"}}
+    assert splice_tag(b"[1]", tag) == b"[1]"
+
+
+async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:
+    """The ASGI app without replicas: the allow-list, size and JSON checks, readiness (no upstream needed)."""
+    import httpx
+
+    from flywheel.config import Settings
+    from serving.router import MAX_BODY_BYTES, create_app
+
+    base = Settings()
+    settings = base.model_copy(update={"serving": base.serving.model_copy(update={"refresh_s": 0.05, "health_timeout_s": 0.05})})
+    app = create_app(settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info"), ("GET", "/metrics"),
+                             ("POST", "/v1/load_lora_adapter"), ("POST", "/tokenize"), ("GET", "/")]:  # fmt: skip
+            response = await client.request(method, path)
+            assert response.status_code == 404 and "no route" in response.json()["error"]["message"], path
+        assert (await client.get("/v1/completions")).status_code == 405
+        assert (await client.post("/health")).status_code == 405
+        too_big = await client.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1))
+        assert too_big.status_code == 413
+        bad = await client.post("/v1/chat/completions", content=b"[1, 2")
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        assert (await client.post("/v1/completions", content=b"[1]")).status_code == 400
+        assert (await client.get("/health")).json() == {"status": "ok"}
+        ready = await client.get("/ready")
+        assert ready.status_code == 503 and "never read" in ready.json()["reason"]
+        unroutable = await client.post("/v1/completions", json={"prompt": "x"})
+        assert unroutable.status_code == 503 and "no routable replica" in unroutable.json()["error"]["message"]
+        assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
+        assert "flywheel_router_rejected_total" in (await client.get("/router/metrics")).text

@@ -1,0 +1,243 @@
+"""Checkpoints on disk: staged in a temporary folder, fsynced, renamed into place.
+
+A checkpoint folder ``<checkpoint_dir>/<checkpoint_id>/`` is either
+
+- ``full``: a Hugging Face model folder (``config.json``, ``model.safetensors``, tokenizer,
+  ``generation_config.json``) that transformers and vLLM load, or
+- ``lora``: a peft adapter (``adapter_config.json``, ``adapter_model.safetensors``) over
+  the full model named by ``base_model``, plus the tokenizer,
+
+and always ``flywheel_checkpoint.json`` (:class:`CheckpointSidecar`), written last.
+Everything is written under ``.tmp-<id>-*`` in the same folder, fsynced, and renamed;
+a reader never sees a partial checkpoint. The registry row is inserted only after the
+rename (see ``trainer.cycle``); a crash between the two leaves an *orphan* folder, which
+:func:`sweep` (run by the next cycle, under the cycle lock) removes together with any
+leftover temporary folders. A checkpoint folder therefore belongs to one registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from flywheel.fsutil import fsync_dir, fsync_tree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SIDECAR_NAME = "flywheel_checkpoint.json"
+SIDECAR_SCHEMA_VERSION = 1
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+FULL_FILES = ("config.json", "model.safetensors", "tokenizer.json", SIDECAR_NAME)
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", SIDECAR_NAME)
+
+Format = Literal["full", "lora"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read (not recoverable by retrying as is)."""
+
+
+class CheckpointSidecar(BaseModel):
+    """``flywheel_checkpoint.json``: where a checkpoint came from and how it did."""
+
+    schema_version: int = SIDECAR_SCHEMA_VERSION
+    checkpoint_id: str
+    policy_version: str
+    """Unique; what vLLM serves it under (``update_weight_version`` / the LoRA name)."""
+    parent_id: str | None
+    parent_policy_version: str | None
+    format: Format
+    base_model: str
+    """Full model folder this checkpoint applies to (a LoRA adapter's base; for ``full``, its root)."""
+    cycle_id: int | None
+    data_window_start: datetime | None
+    data_window_end: datetime | None
+    n_samples: int
+    sample_ids: list[int]
+    """The exact ``training_samples`` ids trained on."""
+    sample_ids_hash: str
+    config_hash: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The trainer settings that shaped the update."""
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    """Cycle summary: loss before/after, selection counts, advantage stats, tokens/s."""
+    steps: list[dict[str, float]] = Field(default_factory=list)
+    """Per optimizer step: loss, mean reward, advantage and ratio stats, clip fraction, KL, tokens/s."""
+    baseline_state: dict[str, Any] = Field(default_factory=dict)
+    gate: dict[str, Any] = Field(default_factory=dict)
+    """The eval gate's decision and both evaluations."""
+    status: Literal["candidate", "rejected"]
+    versions: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+def sample_ids_hash(ids: Iterable[int]) -> str:
+    """SHA-256 of the sorted sample ids."""
+    return hashlib.sha256(",".join(str(i) for i in sorted(ids)).encode()).hexdigest()
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """SHA-256 of a JSON-ready config dict (keys sorted)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def required_files(fmt: Format) -> Sequence[str]:
+    """Files a complete checkpoint of format ``fmt`` holds."""
+    return FULL_FILES if fmt == "full" else LORA_FILES
+
+
+def is_complete(folder: Path, fmt: Format) -> bool:
+    """True when ``folder`` holds every file of a finished checkpoint."""
+    return all((folder / name).is_file() for name in required_files(fmt))
+
+
+def stage(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", root: Path, checkpoint_id: str) -> Path:
+    """Write weights (or the adapter) and tokenizer into a new temporary folder under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{checkpoint_id}-", dir=root))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    return tmp
+
+
+def publish(tmp: Path, sidecar: CheckpointSidecar, root: Path) -> Path:
+    """Write the sidecar into ``tmp``, fsync everything, rename to ``root/<id>``; return that path."""
+    (tmp / SIDECAR_NAME).write_text(sidecar.model_dump_json(indent=2) + "\n")
+    if not is_complete(tmp, sidecar.format):
+        missing = [n for n in required_files(sidecar.format) if not (tmp / n).is_file()]
+        raise CheckpointError(f"checkpoint {sidecar.checkpoint_id} is missing {missing} in {tmp}")
+    fsync_tree(tmp)
+    target = root / sidecar.checkpoint_id
+    if target.exists():
+        raise CheckpointError(f"{target} already exists; checkpoint ids must be unique")
+    os.rename(tmp, target)
+    fsync_dir(root)
+    return target
+
+
+def read_sidecar(folder: Path | str) -> CheckpointSidecar:
+    """The sidecar of a checkpoint folder."""
+    return CheckpointSidecar.model_validate_json((Path(folder) / SIDECAR_NAME).read_text())
+
+
+def sweep(root: Path, known_ids: set[str]) -> list[Path]:
+    """Remove leftover temporary folders and orphans (a sidecar but no registry row); return them.
+
+    Call only while holding the cycle lock: no other cycle can be writing then.
+    """
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        orphan = not entry.name.startswith(".") and (entry / SIDECAR_NAME).is_file() and entry.name not in known_ids
+        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) or orphan:
+            shutil.rmtree(entry)
+            removed.append(entry)
+    return removed
+
+
+def delete(folder: Path) -> None:
+    """Remove a checkpoint folder: renamed aside first, so it is never seen half deleted."""
+    if not folder.exists():
+        return
+    trash = folder.with_name(f"{TRASH_PREFIX}{folder.name}-{os.getpid()}")
+    os.rename(folder, trash)
+    shutil.rmtree(trash)
+
+
+def load_policy(
+    path: Path | str, fmt: Format, base_model: str | None, trainable: bool
+) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """Load a checkpoint as a float32 model (a peft model for ``lora``) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if fmt == "full":
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model.requires_grad_(trainable)
+    elif fmt == "lora":
+        from peft import PeftModel
+
+        if base_model is None:
+            raise CheckpointError(f"LoRA checkpoint {path} names no base model")
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
+    else:
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}")
+    model.eval()
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- policies to train
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    """Where a registered checkpoint lives (plain data, so it can cross to torchrun workers)."""
+
+    id: str
+    policy_version: str
+    path: str
+    format: Format
+    base_model: str
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA hyper-parameters of a new adapter."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def load_trainable(
+    parent: PolicyRef, mode: Format, lora: LoraSpec, seed: int
+) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase", str]:
+    """The parent as a trainable policy in ``mode``, its tokenizer, and the new checkpoint's ``base_model``.
+
+    - full from full: every weight trainable; full from LoRA: the adapter merged first.
+    - LoRA from full: a fresh adapter (seeded) over the parent; LoRA from LoRA: the
+      parent's adapter keeps training over the same base.
+    """
+    import torch
+
+    if mode == "full":
+        model, tokenizer = load_policy(parent.path, parent.format, parent.base_model, trainable=True)
+        if parent.format == "lora":
+            model = model.merge_and_unload()
+        model.requires_grad_(True)
+        return model, tokenizer, parent.base_model
+    if mode != "lora":
+        raise CheckpointError(f"unknown training mode {mode!r}")
+    if parent.format == "lora":
+        model, tokenizer = load_policy(parent.path, "lora", parent.base_model, trainable=True)
+        return model, tokenizer, parent.base_model
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = load_policy(parent.path, "full", None, trainable=False)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config), tokenizer, str(Path(parent.path).resolve())

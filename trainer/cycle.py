@@ -1,0 +1,446 @@
+"""One training cycle, as a plain function: lock, select, train, checkpoint, gate, registry.
+
+``run_cycle(key, trigger)`` is what the Celery task, ``flywheel-trainer now --inline``
+and tests call. Its states in ``training_cycles``:
+
+- ``running`` while it works (``metrics.phase`` says where: select, load, train, gate, publish);
+- ``skipped`` with the reason: paused, too few samples (with the counts), or another
+  cycle holding the lock;
+- ``failed`` with the reason: ``worker lost`` (set by the next cycle for a row whose
+  worker died), ``time limit``, or the error;
+- ``candidate`` / ``rejected``: a checkpoint was written; the gate's verdict and numbers
+  are in the reason, the checkpoint row and its sidecar.
+
+Idempotent per key: a key whose cycle finished returns that outcome again; a redelivered
+task whose first attempt died finds its row ``running`` while the lock is free, marks it
+``failed: worker lost`` and returns that (the next trigger trains). The registry row of
+a checkpoint is written in the same transaction as its cycle's final state, and only
+after the checkpoint folder is complete on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flywheel.config import Settings, TrainerSettings, get_settings
+from trainer import registry
+from trainer.select import DataWindow, Sample, SelectionRules
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from trainer.ckpt import PolicyRef
+    from trainer.step import StepSample, TrainResult
+
+log = logging.getLogger(__name__)
+
+OPERATIONAL_FIELDS = {
+    "schedule_seconds", "time_limit_s", "queue", "checkpoint_dir", "metrics_port", "metrics_textfile",
+    "show_progress", "keep_latest", "keep_deployed_days", "torch_threads", "window_settle_s",
+}
+"""TrainerSettings fields that do not shape the update (left out of the config hash)."""
+
+
+class SkipCycle(Exception):
+    """The cycle has nothing to do (an answer, not an error)."""
+
+    def __init__(self, reason: str, metrics: dict[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.metrics = metrics or {}
+
+
+class BaseModelMissing(RuntimeError):
+    """The base model is not built (not recoverable by retrying: run ``flywheel model build``)."""
+
+
+@dataclass
+class CycleOutcome:
+    """What a cycle ended as."""
+
+    cycle_id: int | None
+    status: str
+    reason: str | None = None
+    checkpoint_id: str | None = None
+    policy_version: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    replayed: bool = False
+    """True when the key had already run and this is its recorded outcome."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (the Celery result)."""
+        return asdict(self)
+
+
+def run_cycle(key: str, trigger: str = "manual", settings: Settings | None = None) -> CycleOutcome:
+    """Run one training cycle for idempotency ``key`` (see the module docstring)."""
+    from flywheel.db.engine import get_engine, session_factory
+    from flywheel.stack.endpoints import postgres_url
+
+    settings = settings or get_settings()
+    url = postgres_url(settings)
+    with session_factory(url)() as session:
+        existing = registry.cycle_by_key(session, key)
+        if existing is not None and existing.status != "running":
+            return _outcome_of(existing, replayed=True)
+        with registry.cycle_lock(get_engine(url)) as held:
+            if not held:
+                reason = "another cycle is running"
+                cycle_id = registry.insert_cycle(session, None, trigger, "skipped", reason, {"requested_key": key})
+                return CycleOutcome(cycle_id, "skipped", reason)
+            stale = registry.fail_stale_cycles(session)
+            if stale:
+                log.warning("marked cycles %s failed: %s", stale, registry.WORKER_LOST)
+            existing = registry.cycle_by_key(session, key)
+            if existing is not None:
+                session.refresh(existing)
+                return _outcome_of(existing, replayed=True)
+            return _run_locked(session, key, trigger, settings)
+
+
+def _run_locked(session: "Session", key: str, trigger: str, settings: Settings) -> CycleOutcome:
+    """The cycle proper, with the lock held."""
+    from trainer import ckpt
+    from trainer.metrics import TrainerMetrics
+
+    t = settings.trainer
+    deadline = time.monotonic() + t.time_limit_s
+    metrics = TrainerMetrics(t.metrics_textfile)
+    pause = registry.pause_state(session)
+    if pause.paused:
+        reason = f"paused by {pause.actor} at {pause.at:%Y-%m-%d %H:%M:%S%z}" + (f": {pause.reason}" if pause.reason else "")
+        cycle_id = registry.insert_cycle(session, key, trigger, "skipped", reason)
+        _export(session, metrics, "skipped", {})
+        return CycleOutcome(cycle_id, "skipped", reason)
+    cycle_id = registry.insert_cycle(session, key, trigger, "running", metrics={"phase": "select"})
+    try:
+        base_id = registry.register_base(session, base_model_dir(settings))
+        removed = ckpt.sweep(Path(t.checkpoint_dir), set(registry.lineage(session)))
+        if removed:
+            log.warning("removed incomplete or unregistered checkpoint folders: %s", [p.name for p in removed])
+        outcome = _train(session, cycle_id, settings, base_id, deadline, metrics)
+    except SkipCycle as skip:
+        session.rollback()
+        registry.update_cycle(session, cycle_id, status="skipped", reason=skip.reason, metrics=skip.metrics)
+        _export(session, metrics, "skipped", {})
+        return CycleOutcome(cycle_id, "skipped", skip.reason, metrics=skip.metrics)
+    except BaseException as exc:
+        session.rollback()
+        reason = failure_reason(exc, t)
+        registry.update_cycle(session, cycle_id, status="failed", reason=reason)
+        _export(session, metrics, "failed", {})
+        if reason.startswith("time limit"):
+            return CycleOutcome(cycle_id, "failed", reason)
+        raise
+    deleted = registry.apply_retention(session, Path(t.checkpoint_dir), t.keep_latest, t.keep_deployed_days)
+    if deleted:
+        log.info("retention deleted %s", deleted)
+    _export(session, metrics, outcome.status, outcome.metrics)
+    return outcome
+
+
+def _train(
+    session: "Session", cycle_id: int, settings: Settings, base_id: str, deadline: float, metrics: Any
+) -> CycleOutcome:
+    """Select, train, stage, gate, publish; returns the candidate/rejected outcome."""
+    from trainer import ckpt, gate, select
+
+    t = settings.trainer
+    root = Path(t.checkpoint_dir)
+    parent = registry.get_checkpoint(session, parent_checkpoint_id(session, t, base_id))
+    parent_ref = ckpt.PolicyRef(parent.id, parent.policy_version, parent.path, parent.format, parent.base_model)  # type: ignore[arg-type]
+
+    # Selection.
+    serving = registry.serving_checkpoint_ids(session) or [base_id]
+    allowed = select.allowed_versions(serving, registry.lineage(session), t.max_policy_lag)
+    window = DataWindow(
+        start=registry.last_window_end(session),
+        end=registry.db_now(session) - timedelta(seconds=t.window_settle_s),
+    )
+    selection = select.choose(
+        select.fetch_window(session, window),
+        SelectionRules(allowed, frozenset(t.trainable_roles), t.min_samples, t.max_samples),
+    )
+    info: dict[str, Any] = {
+        "selection": selection.counts,
+        "serving": serving,
+        "allowed_versions": sorted(allowed),
+        "window": {"start": _iso(window.start), "end": _iso(window.end)},
+        "parent": parent.id,
+    }
+    if selection.skip_reason:
+        raise SkipCycle(selection.skip_reason, info)
+    samples = select.fetch_samples(session, selection.ids)
+    registry.update_cycle(
+        session, cycle_id, parent_checkpoint_id=parent.id, sample_ids=selection.ids, metrics=info | {"phase": "load"}
+    )
+
+    # The parent as a trainable policy, and its held-out score (cached per gate setup).
+    _torch_threads(t)
+    model, tokenizer, base_model = ckpt.load_trainable(parent_ref, t.mode, lora_spec(t), t.seed)
+    gate_config = gate_config_of(t)
+    parent_eval = registry.cached_eval(parent, gate.eval_key(gate_config))
+    if parent_eval is None:
+        registry.merge_cycle_metrics(session, cycle_id, {"phase": "gate-parent"})
+        parent_eval = gate.evaluate(model, tokenizer, gate_config)
+        registry.cache_eval(session, parent.id, gate.eval_key(gate_config), parent_eval)
+    _check_deadline(deadline, "evaluating the parent")
+
+    # Advantages and the update.
+    registry.merge_cycle_metrics(session, cycle_id, {"phase": "train"})
+    step_samples, adv = prepare_batch(samples, model, tokenizer, t, registry.latest_baseline_state(session))
+    info |= {"advantages": adv.stats, "too_long": len(samples) - len(step_samples)}
+    if not step_samples:
+        raise SkipCycle("no sample fits the model's context", info)
+
+    def on_step(step_metrics: dict[str, float]) -> None:
+        metrics.on_step(step_metrics)
+        registry.merge_cycle_metrics(session, cycle_id, {"step": int(step_metrics["step"]) + 1})
+
+    result, model = train(model, tokenizer, step_samples, parent_ref, base_model, t, deadline, on_step, root)
+    _check_deadline(deadline, "after training")
+
+    # Stage the files, gate what was written, publish, register.
+    registry.merge_cycle_metrics(session, cycle_id, {"phase": "gate"})
+    sample_hash = ckpt.sample_ids_hash(selection.ids)
+    config = training_config(t)
+    cfg_hash = ckpt.config_hash(config)
+    digest = hashlib.sha256(f"{parent.policy_version}:{sample_hash}:{cfg_hash}".encode()).hexdigest()[:8]
+    checkpoint_id = f"c{cycle_id:06d}-{digest}"
+    tmp = ckpt.stage(model, tokenizer, root, checkpoint_id)
+    try:
+        candidate, cand_tokenizer = ckpt.load_policy(tmp, t.mode, base_model, trainable=False)
+        candidate_eval = gate.evaluate(candidate, cand_tokenizer, gate_config)
+        del candidate
+        decision = gate.decide(candidate_eval, parent_eval, gate_config)
+        _check_deadline(deadline, "gating")
+        status = "candidate" if decision.passed else "rejected"
+        summary = {
+            **info,
+            **result.summary(),
+            "samples": len(step_samples),
+            "gate_candidate_success": candidate_eval["success_rate"],
+            "gate_parent_success": parent_eval["success_rate"],
+        }
+        sidecar = ckpt.CheckpointSidecar(
+            checkpoint_id=checkpoint_id,
+            policy_version=checkpoint_id,
+            parent_id=parent.id,
+            parent_policy_version=parent.policy_version,
+            format=t.mode,
+            base_model=base_model,
+            cycle_id=cycle_id,
+            data_window_start=window.start,
+            data_window_end=window.end,
+            n_samples=len(step_samples),
+            sample_ids=[s.sample_id for s in step_samples],
+            sample_ids_hash=ckpt.sample_ids_hash(s.sample_id for s in step_samples),
+            config_hash=cfg_hash,
+            config=config,
+            metrics=summary,
+            steps=result.steps,
+            baseline_state=adv.state.to_dict(),
+            gate=decision.to_dict(),
+            status=status,
+            versions=_versions(),
+        )
+        registry.merge_cycle_metrics(session, cycle_id, {"phase": "publish"})
+        path = ckpt.publish(tmp, sidecar, root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    registry.add_checkpoint(
+        session, sidecar, path, decision.reason,
+        {"heldout": {decision.key: candidate_eval}, "gate": decision.to_dict()},
+    )
+    registry.update_cycle(
+        session, cycle_id, commit=False, status=status, reason=decision.reason, checkpoint_id=checkpoint_id,
+        sample_ids=sidecar.sample_ids, metrics=summary | {"phase": "done"},
+    )
+    session.commit()
+    log.info("cycle %d: %s %s (%s)", cycle_id, status, checkpoint_id, decision.reason)
+    return CycleOutcome(cycle_id, status, decision.reason, checkpoint_id, checkpoint_id, summary)
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def base_model_dir(settings: Settings) -> Path:
+    """The built base model's folder (raises :class:`BaseModelMissing` when it is not built)."""
+    from flywheel.model.build import build_key, is_complete
+
+    folder = Path(settings.model.cache_dir).resolve() / build_key(settings.model)
+    if not is_complete(folder):
+        raise BaseModelMissing(f"base model not built at {folder}; run `flywheel model build`")
+    return folder
+
+
+def parent_checkpoint_id(session: "Session", t: TrainerSettings, base_id: str) -> str:
+    """What this cycle trains from (``trainer.parent``)."""
+    if t.parent == "latest":
+        return registry.latest_trained_id(session) or registry.stable_checkpoint_id(session) or base_id
+    return registry.stable_checkpoint_id(session) or base_id
+
+
+def prepare_batch(
+    samples: list[Sample],
+    model: "PreTrainedModel",
+    tokenizer: "PreTrainedTokenizerBase",
+    t: TrainerSettings,
+    baseline_state: dict[str, Any],
+) -> tuple[list["StepSample"], Any]:
+    """Advantages for ``samples`` and the step's view of them (samples beyond the context are dropped)."""
+    from trainer.advantages import AdvantageConfig, AdvInput, BaselineState, compute_advantages
+    from trainer.step import StepSample, prompt_features
+
+    limit = int(getattr(model.config, "max_position_embeddings", 10**9))
+    fitting = [s for s in samples if len(s.prompt_token_ids) + len(s.completion_token_ids) <= limit]
+    provisional = [_step_sample(s, 0.0) for s in fitting]
+    features = None
+    if t.advantage_baseline == "value":
+        features = prompt_features(model, provisional, step_config(t), tokenizer.pad_token_id or 0)
+    adv = compute_advantages(
+        [AdvInput(s.episode, s.group_key, s.task, s.reward) for s in fitting],
+        AdvantageConfig(t.advantage_group, t.advantage_baseline, t.advantage_norm, t.baseline_momentum, t.value_l2),
+        BaselineState.from_dict(baseline_state),
+        features,
+    )
+    return [_step_sample(s, a) for s, a in zip(fitting, adv.advantages)], adv
+
+
+def _step_sample(s: Sample, advantage: float) -> "StepSample":
+    from trainer.step import StepSample
+
+    return StepSample(s.id, s.prompt_token_ids, s.completion_token_ids, s.loss_mask, s.behaviour_logprobs, advantage, s.reward)
+
+
+def train(
+    model: "PreTrainedModel",
+    tokenizer: "PreTrainedTokenizerBase",
+    samples: list["StepSample"],
+    parent: "PolicyRef",
+    base_model: str,
+    t: TrainerSettings,
+    deadline: float,
+    on_step: Any,
+    root: Path,
+) -> tuple["TrainResult", "PreTrainedModel"]:
+    """The update, in this process or under torchrun; returns the result and the trained model."""
+    from trainer.step import train_on_batch
+
+    pad_id = tokenizer.pad_token_id or 0
+    if t.nproc_per_node == 1:
+        return train_on_batch(model, samples, step_config(t), pad_id, deadline=deadline, on_step=on_step), model
+    from trainer import ckpt, distributed
+
+    del model
+    remaining = max(deadline - time.monotonic(), 1.0)
+    result, trained_dir = distributed.launch(parent, samples, t, root, timeout_s=remaining)
+    try:
+        trained, _ = ckpt.load_policy(trained_dir, t.mode, base_model, trainable=False)
+    finally:
+        shutil.rmtree(trained_dir.parent, ignore_errors=True)
+    for step_metrics in result.steps:
+        on_step(step_metrics)
+    return result, trained
+
+
+def step_config(t: TrainerSettings) -> Any:
+    """The step's settings from TrainerSettings."""
+    from trainer.loss import LossConfig
+    from trainer.step import StepConfig
+
+    return StepConfig(
+        loss=LossConfig(t.loss, t.is_ratio_min, t.is_ratio_max, t.ppo_clip_low, t.ppo_clip_high, t.kl_coef),
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        epochs=t.epochs,
+        mini_batch_samples=t.mini_batch_samples,
+        micro_batch_tokens=t.micro_batch_tokens,
+        pack_row_tokens=t.pack_row_tokens,
+        grad_clip=t.grad_clip,
+        seed=t.seed,
+        temperature=t.sampling_temperature,
+        show_progress=t.show_progress,
+    )
+
+
+def lora_spec(t: TrainerSettings) -> Any:
+    """LoRA hyper-parameters from TrainerSettings."""
+    from trainer.ckpt import LoraSpec
+
+    return LoraSpec(t.lora_rank, t.lora_alpha, t.lora_dropout, tuple(t.lora_target_modules))
+
+
+def gate_config_of(t: TrainerSettings) -> Any:
+    """The gate's settings from TrainerSettings."""
+    from trainer.gate import GateConfig
+
+    return GateConfig(
+        n=t.gate_n, seed=t.gate_seed, margin=t.gate_margin, max_new_tokens=t.gate_max_new_tokens,
+        batch_size=t.gate_batch_size, temperature=t.sampling_temperature,
+    )
+
+
+def training_config(t: TrainerSettings) -> dict[str, Any]:
+    """The settings that shape the update (hashed into the checkpoint)."""
+    return t.model_dump(mode="json", exclude=OPERATIONAL_FIELDS)
+
+
+def failure_reason(exc: BaseException, t: TrainerSettings) -> str:
+    """A one-line reason for a failed cycle."""
+    from trainer.step import CycleTimeout
+
+    if isinstance(exc, CycleTimeout) or type(exc).__name__ in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
+        return f"time limit ({t.time_limit_s:g} s): {exc}"
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return f"interrupted ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def _check_deadline(deadline: float, where: str) -> None:
+    from trainer.step import CycleTimeout
+
+    if time.monotonic() > deadline:
+        raise CycleTimeout(f"time limit reached {where}")
+
+
+def _torch_threads(t: TrainerSettings) -> None:
+    if t.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(t.torch_threads)
+
+
+def _export(session: "Session", metrics: Any, status: str, summary: dict[str, Any]) -> None:
+    """Write the Prometheus text file: this cycle's summary and the registry's cycle counts."""
+    from sqlalchemy import func, select
+
+    from flywheel.db.models import TrainingCycle
+
+    counts = dict(session.execute(select(TrainingCycle.status, func.count()).group_by(TrainingCycle.status)).all())
+    metrics.on_cycle(status, summary, counts, time.time())
+
+
+def _outcome_of(row: Any, replayed: bool) -> CycleOutcome:
+    return CycleOutcome(row.id, row.status, row.reason, row.checkpoint_id, row.checkpoint_id, dict(row.metrics or {}), replayed)
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _versions() -> dict[str, str]:
+    import peft
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}

@@ -1,0 +1,217 @@
+"""Data selection: which scored samples a cycle trains on.
+
+The rules, applied in this order (pure functions, tested with in-memory rows):
+
+1. **Window**: rows created after the last checkpoint's data window ended
+   (``checkpoints.data_window_end``, newest over all trainer checkpoints) and up to the
+   cycle's start minus ``window_settle_s``. Skipped, failed and lock-busy cycles write no
+   checkpoint, so their data stays in the next window.
+2. **Newest reward version**: of several rows of one completion, the one with the highest
+   ``reward_version`` (late feedback replaces the earlier reward, never adds a sample).
+3. **On-policy**: the completion's ``policy_version`` is one the fleet serves now
+   (active deployments; with none, the base model's) or an ancestor of one within
+   ``max_policy_lag`` checkpoints along the lineage.
+4. **Trainable roles**: rows of other roles (frozen sub-agents) are dropped.
+5. **Cap**: at most ``max_samples``, the newest kept.
+6. **Minimum**: fewer than ``min_samples`` left skips the cycle, with every count above.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+
+@dataclass(frozen=True)
+class DataWindow:
+    """``(start, end]`` on ``training_samples.created_at``; ``start=None`` means from the beginning."""
+
+    start: datetime | None
+    end: datetime
+
+    def contains(self, at: datetime) -> bool:
+        """True when ``at`` falls inside the window."""
+        return (self.start is None or at > self.start) and at <= self.end
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """The columns selection needs (no token arrays)."""
+
+    id: int
+    completion_id: uuid.UUID | str
+    reward_version: int
+    policy_version: str
+    agent_role: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class SelectionRules:
+    """What a cycle accepts."""
+
+    allowed_versions: frozenset[str]
+    trainable_roles: frozenset[str]
+    min_samples: int
+    max_samples: int
+
+
+@dataclass
+class Selection:
+    """The chosen sample ids (newest first), the counts behind them and, if skipped, why."""
+
+    ids: list[int]
+    counts: dict[str, int] = field(default_factory=dict)
+    skip_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sample with everything the trainer uses."""
+
+    id: int
+    project: str
+    session_id: str
+    completion_id: str
+    reward_version: int
+    policy_version: str
+    group_key: str | None
+    task: str | None
+    agent_role: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    created_at: datetime
+
+    @property
+    def episode(self) -> str:
+        """Episode identity for the advantage estimator."""
+        return f"{self.project}/{self.session_id}"
+
+
+class SampleError(ValueError):
+    """A sample row is inconsistent (lengths of its arrays disagree); not recoverable by retrying."""
+
+
+def allowed_versions(
+    serving_ids: Iterable[str], lineage: Mapping[str, tuple[str | None, str]], max_policy_lag: int
+) -> frozenset[str]:
+    """Policy versions of the serving checkpoints and of up to ``max_policy_lag`` ancestors of each.
+
+    ``lineage`` maps checkpoint id to ``(parent_id, policy_version)``.
+    """
+    versions: set[str] = set()
+    for ckpt_id in serving_ids:
+        current: str | None = ckpt_id
+        for _ in range(max_policy_lag + 1):
+            if current is None or current not in lineage:
+                break
+            parent, version = lineage[current]
+            versions.add(version)
+            current = parent
+    return frozenset(versions)
+
+
+def choose(rows: Sequence[SampleMeta], rules: SelectionRules) -> Selection:
+    """Apply rules 2-6 of the module docstring to the rows of one window."""
+    counts = {"in_window": len(rows)}
+    newest = newest_reward_versions(rows)
+    counts["superseded"] = len(rows) - len(newest)
+    on_policy = [r for r in newest if r.policy_version in rules.allowed_versions]
+    counts["off_policy"] = len(newest) - len(on_policy)
+    trainable = [r for r in on_policy if r.agent_role in rules.trainable_roles]
+    counts["frozen_role"] = len(on_policy) - len(trainable)
+    trainable.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+    kept = trainable[: rules.max_samples]
+    counts["over_max"] = len(trainable) - len(kept)
+    counts["selected"] = len(kept)
+    selection = Selection(ids=[r.id for r in kept], counts=counts)
+    if len(kept) < rules.min_samples:
+        detail = ", ".join(f"{k}={v}" for k, v in counts.items())
+        selection.skip_reason = f"too few samples: {len(kept)} < min_samples {rules.min_samples} ({detail})"
+        selection.ids = []
+    return selection
+
+
+def newest_reward_versions(rows: Sequence[SampleMeta]) -> list[SampleMeta]:
+    """One row per completion: the one with the highest reward version."""
+    best: dict[str, SampleMeta] = {}
+    for row in rows:
+        key = str(row.completion_id)
+        if key not in best or row.reward_version > best[key].reward_version:
+            best[key] = row
+    return list(best.values())
+
+
+def validate(sample: Sample) -> None:
+    """Raise :class:`SampleError` when the arrays of ``sample`` do not line up."""
+    n = len(sample.completion_token_ids)
+    if n == 0:
+        raise SampleError(f"sample {sample.id}: empty completion")
+    if len(sample.loss_mask) != n or len(sample.behaviour_logprobs) != n:
+        raise SampleError(
+            f"sample {sample.id}: {n} completion tokens but {len(sample.loss_mask)} mask entries "
+            f"and {len(sample.behaviour_logprobs)} behaviour logprobs"
+        )
+    if not sample.prompt_token_ids:
+        raise SampleError(f"sample {sample.id}: empty prompt")
+
+
+# --------------------------------------------------------------------------- database
+
+
+def fetch_window(session: "Session", window: DataWindow) -> list[SampleMeta]:
+    """Metadata of every ``training_samples`` row inside ``window``."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import TrainingSample as T
+
+    query = select(T.id, T.completion_id, T.reward_version, T.policy_version, T.agent_role, T.created_at).where(
+        T.created_at <= window.end
+    )
+    if window.start is not None:
+        query = query.where(T.created_at > window.start)
+    return [SampleMeta(*row) for row in session.execute(query)]
+
+
+def fetch_samples(session: "Session", ids: Sequence[int]) -> list[Sample]:
+    """Full rows for ``ids``, in the order of ``ids``; each is validated."""
+    from sqlalchemy import select
+
+    from flywheel.db.models import TrainingSample as T
+
+    rows = {r.id: r for r in session.scalars(select(T).where(T.id.in_(list(ids))))}
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise SampleError(f"samples vanished while selecting: {missing[:10]}")
+    samples = [
+        Sample(
+            id=r.id,
+            project=r.project,
+            session_id=r.session_id,
+            completion_id=str(r.completion_id),
+            reward_version=r.reward_version,
+            policy_version=r.policy_version,
+            group_key=r.group_key,
+            task=r.task,
+            agent_role=r.agent_role,
+            prompt_token_ids=list(r.prompt_token_ids),
+            completion_token_ids=list(r.completion_token_ids),
+            loss_mask=[int(m) for m in r.loss_mask],
+            behaviour_logprobs=[float(x) for x in r.behaviour_logprobs],
+            reward=float(r.reward),
+            created_at=r.created_at,
+        )
+        for r in (rows[i] for i in ids)
+    ]
+    for sample in samples:
+        validate(sample)
+    return samples
