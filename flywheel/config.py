@@ -113,7 +113,7 @@ class ModelSettings(BaseModel):
     """Key/value heads (grouped-query attention)."""
     vocab_size: int = Field(512, ge=128, le=65536)
     """Byte-level BPE vocabulary size."""
-    pretrain_steps: int = Field(600, ge=0, le=100000)
+    pretrain_steps: int = Field(1200, ge=0, le=100000)
     """Supervised pre-training steps on the synthetic task's corpus."""
 
     @model_validator(mode="after")

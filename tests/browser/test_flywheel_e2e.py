@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 
-BUDGET_MINUTES = 12.0
-"""Longest the learning phase may run before the test fails (it ends at the first promotion)."""
+BUDGET_MINUTES = 20.0
+"""Longest the learning phase may run before the test fails (it ends at the first promotion,
+usually within 10 minutes; the bound leaves room for a slower or busier machine)."""
 
 
 def free_port() -> int:
@@ -90,6 +91,15 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
                 )
             ).mappings().first()
             seen["replicas"] = [tuple(r) for r in conn.execute(text("SELECT state, policy_version FROM replicas"))]
+            seen["trace"] = [  # printed when an assertion fails: what the cycles and the canary did
+                " ".join(str(v) for v in r)
+                for r in conn.execute(text(
+                    "SELECT started_at AS at, 'cycle ' || id, status || ': ' || coalesce(reason, ''), "
+                    "'tokens/s ' || coalesce(round((metrics->>'tokens_per_s')::numeric)::text, '-') FROM training_cycles "
+                    "UNION ALL SELECT at, action, target, details->>'reason' FROM audit_log "
+                    "WHERE action LIKE 'deploy.%' OR action = 'canary.decision' ORDER BY 1"
+                ))
+            ]
             seen["stable_version"] = conn.execute(
                 text("SELECT c.policy_version FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
                      "WHERE d.role = 'stable' AND d.status = 'active'")  # fmt: skip
@@ -112,7 +122,8 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
         if "db_url" in seen:
             endpoints.drop_database(seen["db_url"])
 
-    assert summary["promotions"] >= 1, summary
+    trace = "\n".join(seen.get("trace", [])[-40:])
+    assert summary["promotions"] >= 1, f"{summary}\n{trace}"
     assert summary["minutes"] <= BUDGET_MINUTES, summary
     assert summary["failed_requests"] == 0, summary
     assert summary["final_success"] >= summary["base_success"], summary

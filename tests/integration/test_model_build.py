@@ -95,6 +95,22 @@ def test_sidecar_success_in_range_and_reproducible(model_dir: Path) -> None:
     assert abs(other.success_rate - held.success_rate) <= 0.15  # fresh problems and samples
 
 
+def test_calibration_keeps_the_attempt_nearest_the_band(model_dir: Path) -> None:
+    attempts = builder.read_sidecar(model_dir).calibration
+    assert 1 <= len(attempts) <= builder.CALIBRATION_ATTEMPTS
+    assert [a.attempt for a in attempts] == list(range(len(attempts)))
+    assert len({a.seed for a in attempts}) == len(attempts), "each attempt pre-trains from its own seed"
+    chosen = [a for a in attempts if a.chosen]
+    assert len(chosen) == 1, attempts
+    distance = builder._band_distance
+    assert distance(chosen[0].calibration_success) == min(distance(a.calibration_success) for a in attempts)
+    if len(attempts) < builder.CALIBRATION_ATTEMPTS:  # it stopped early: the last attempt was in the band
+        assert distance(attempts[-1].calibration_success) == 0.0 and chosen[0] == attempts[-1]
+    # what was kept is what the chosen attempt measured (same calibration problems and sampling seed)
+    again = heldout_success(model_dir, n=builder.EVAL_N, seed=builder.CALIBRATION_SEED, temperature=builder.EVAL_TEMPERATURE)
+    assert abs(again.success_rate - chosen[0].calibration_success) <= 0.02
+
+
 def test_greedy_eval_runs_whole_episodes(model_dir: Path) -> None:
     result = heldout_success(model_dir, n=40, temperature=0.0)
     assert result.n == 40 and sum(result.finish_reasons.values()) == 40
