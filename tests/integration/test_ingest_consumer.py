@@ -463,3 +463,81 @@ def test_feedback_before_its_completion_waits_and_for_a_missing_one_is_reported(
     assert report.awaiting_completion == [] and report.to_dict()["unknown_completion_events"] == 1
     assert metrics.UNKNOWN_COMPLETION._value.get() - unknown_before == 1
     assert stored_feedback(db, lost) == []  # never attached, never dropped: still pending
+
+
+# -- Postgres restarted under traffic -----------------------------------------------------------
+
+
+def test_postgres_restarted_under_traffic_the_consumer_reconnects_and_loses_nothing(
+    settings_factory, unused_port, kafka_bootstrap, tmp_path
+):
+    """A private embedded Postgres is stopped and started again while events stream in.
+
+    The consumer process is never restarted: it must retry the batch it was writing,
+    reconnect by itself once the server is back, and in the end every event is in
+    ``raw_events`` exactly once and counted once in ``sessions``.
+    """
+    from flywheel.stack import down, up
+    from flywheel.stack import endpoints
+
+    stack = settings_factory(postgres={"port": unused_port()})  # no machine server there: an embedded one
+    assert up(stack, ["postgres"]).components["postgres"].source == "embedded"
+    url = endpoints.postgres_url(stack, database="restart_under_traffic")
+    endpoints.ensure_database(url)
+    upgrade(url)
+    db = libpq_conninfo(url)
+    tag = uuid.uuid4().hex[:8]
+    settings = Settings(
+        environment="test",
+        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": f"t{tag}"},
+        postgres={"url": url},
+        ingest={"group_id": f"g{tag}", "partitions": 3},
+    )
+    ensure_topics(settings, kafka_bootstrap)
+    project = settings.kafka.topic_prefix
+    t0 = datetime.now(timezone.utc) - timedelta(minutes=5)
+    sessions = [session_events(project, f"s{i}", t0) for i in range(240)]
+    total = sum(len(s) for s in sessions)
+
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=5)
+    sent = threading.Event()
+
+    def stream() -> None:  # steady traffic: 240 sessions over ~12 s
+        for events in sessions:
+            send(producer, settings, keyed(*events))
+            time.sleep(0.05)
+        sent.set()
+
+    consumer = _consumer_process(settings, url, tmp_path)
+    streamer = threading.Thread(target=stream, name="test-traffic")
+    try:
+        streamer.start()
+        wait_for(lambda: count_events(db, project) >= 200, timeout_s=120, what="the first writes")
+        assert down(stack, ["postgres"]) == ["postgres"]  # fast shutdown: open connections are cut
+        time.sleep(4.0)  # traffic keeps coming while the database is away
+        assert consumer.poll() is None, "the consumer died while Postgres was down"
+        up(stack, ["postgres"])
+        streamer.join(timeout=120)
+        assert sent.is_set()
+        wait_for(lambda: count_events(db, project) == total, timeout_s=180, what="every event after the restart")
+        time.sleep(1.0)  # let anything that would double-write do so
+        assert consumer.poll() is None, "the consumer had to be restarted"
+    finally:
+        producer.close()
+        consumer.send_signal(signal.SIGTERM)
+        rc = consumer.wait(timeout=60)
+        down(stack)
+    log_text = (tmp_path / "consumer.log").read_text()
+    assert rc == 0, log_text[-3000:]
+    assert "retrying" in log_text, "the outage never reached the consumer"
+    up(stack, ["postgres"])  # the data survived: check it
+    try:
+        with psycopg.connect(db) as conn:
+            n, distinct = conn.execute(
+                "SELECT count(*), count(DISTINCT event_id) FROM raw_events WHERE project = %s", (project,)
+            ).fetchone()
+            (counted,) = conn.execute("SELECT sum(n_events) FROM sessions WHERE project = %s", (project,)).fetchone()
+    finally:
+        down(stack)
+    assert n == distinct == total
+    assert counted == total

@@ -348,3 +348,84 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
             for _ in range(30)
         )
         assert served[victim] > 0 and rt.router.metrics.rejoins.labels(victim)._value.get() >= 1
+
+
+def _router_process(fleet: Fleet, port: int, log_path: Path) -> "subprocess.Popen[bytes]":
+    """The router as its own process (``flywheel-serving router``), configured through the environment."""
+    import subprocess
+    import sys
+
+    from flywheel.stack.services import settings_env
+
+    settings = router_settings(fleet)
+    env = settings_env(settings, {
+        "postgres": {"url": fleet.engine.url.render_as_string(hide_password=False)},
+        "serving": {"fleet": FLEET, "refresh_s": 0.2, "health_interval_s": 0.3, "router_port": port},
+    })  # fmt: skip
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "serving.main", "router", "--log-level", "warning"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(fleet: Fleet, tmp_path: Path) -> None:
+    """SIGKILL the router process under load, start it again: clients retrying as the official
+    ``openai`` client does see every request answered, and every session keeps its policy version
+    (the split is a deterministic hash of the session, so a fresh router agrees with the old one)."""
+    configure(fleet, [fleet.base_version, CANARY], 0.5)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "router.log"
+
+    def ready() -> bool:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json={"model": fleet.base_version, "prompt": "1", "max_tokens": 1}, timeout=5)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    router = _router_process(fleet, port, log_path)
+    stop = threading.Event()
+    seen: dict[str, list[str]] = {}
+    failures: list[str] = []
+    answered = Counter[str]()
+
+    def session_loop(i: int) -> None:
+        client = openai.OpenAI(api_key="unused", base_url=f"{url}/v1", max_retries=8, timeout=60)
+        turn = 0
+        while not stop.is_set():
+            sid = f"kill-{i}-{turn // 3}"  # three requests per session, then a new session
+            try:
+                raw = client.completions.with_raw_response.create(
+                    model=fleet.base_version, prompt=f"{turn}+1=", max_tokens=4, extra_headers={"x-flywheel-session-id": sid})
+                seen.setdefault(sid, []).append(raw.headers["x-flywheel-policy-version"])
+                answered["before" if router_generation[0] == 1 else "after"] += 1
+            except openai.OpenAIError as err:  # after every retry: a lost request
+                failures.append(f"{sid}: {err!r}")
+            turn += 1
+
+    router_generation = [1]
+    workers = [threading.Thread(target=session_loop, args=(i,)) for i in range(6)]
+    restarted = None
+    try:
+        wait_for(ready, 60, "the router process serving")
+        for w in workers:
+            w.start()
+        wait_for(lambda: answered["before"] >= 30, 60, "load through the first router")
+        os.killpg(router.pid, signal.SIGKILL)
+        router.wait(10)
+        time.sleep(1.0)  # the port stays dark for a moment: clients back off and retry
+        router_generation[0] = 2
+        restarted = _router_process(fleet, port, log_path)
+        wait_for(lambda: answered["after"] >= 30, 90, "load through the restarted router")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(120)
+        for proc in (router, restarted):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+    assert not failures, failures[:5]
+    changed = {sid: versions for sid, versions in seen.items() if len(set(versions)) > 1}
+    assert not changed, changed
+    assert {v for versions in seen.values() for v in versions} == {fleet.base_version, CANARY}

@@ -577,3 +577,69 @@ def test_lora_canary_shares_the_replicas_then_promotes_and_rolls_back(engine, se
     out = rollback(engine, lora, "ops:test")
     assert out["stable"]["checkpoint_id"] == base_version and out["swaps"] == []  # the base is always on the replicas
     assert [vllm_admin.weight_info(u) for u in fleet] == [base_version, base_version]
+
+
+def test_a_replica_killed_between_pause_and_resume_ends_failed_and_the_admin_api_says_so(
+    engine, settings, fleet, base_model_dir: Path, base_version, monkeypatch
+):
+    """A hot swap interrupted half-way: the replica dies right after ``pause``. Deployed through
+    the admin API, the deployment ends ``failed``, the replica ``failed`` with the reason, the
+    stable untouched and still answering, and ``GET /fleet`` reports exactly that. The replica,
+    restarted, is put back on the stable by ``reconcile``."""
+    import os
+    import signal
+
+    from fastapi.testclient import TestClient
+
+    from flywheel.auth import create_key
+    from flywheel.stack.base import load_state
+    from serving.admin import create_app
+
+    url = fleet[1]  # the canary replica
+    victim = load_state(settings).components["vllm-1"]
+    assert victim.where == url
+    real_pause = vllm_admin.pause
+    killed: list[str] = []
+
+    def pause_then_die(target: str, mode: str = "keep") -> None:
+        real_pause(target, mode=mode)
+        if target == url and not killed:
+            os.killpg(victim.pid, signal.SIGKILL)  # the whole replica: server and engine
+            killed.append(target)
+
+    monkeypatch.setattr(vllm_admin, "pause", pause_then_die)
+    with Session(engine) as session:
+        _, operator = create_key(session, name=f"op-{uuid.uuid4().hex[:6]}", role="operator", created_by="test")
+        session.commit()
+    client = TestClient(create_app(settings, engine))
+    auth = {"Authorization": f"Bearer {operator}"}
+    try:
+        response = client.post("/v1/canary", json={"checkpoint_id": PERTURBED, "weight": 0.1}, headers=auth)
+        assert killed == [url]
+        assert response.status_code == 502, response.text  # the swap failed on a replica, said in words
+        assert response.json()["error"] == "failed" and url in response.json()["reason"], response.text
+
+        fleet_view = client.get("/v1/fleet", headers=auth)
+        assert fleet_view.status_code == 200, fleet_view.text
+        view = fleet_view.json()
+        assert view["stable"]["checkpoint_id"] == base_version
+        assert view["canary"] is None or view["canary"]["status"] != "active", view["canary"]
+        replicas = {r["url"]: r for r in view["replicas"]}
+        assert replicas[url]["state"] == "failed" and replicas[url]["reason"], replicas[url]
+        assert replicas[fleet[0]]["state"] == "serving" and replicas[fleet[0]]["policy_version"] == base_version
+        canary = [d for d in deployment_rows(engine) if d.role == "canary"]
+        assert [(d.status, d.checkpoint_id) for d in canary] == [("failed", PERTURBED)]
+        assert canary[0].ended_at is not None and canary[0].reason
+        audit = audit_rows(engine, "deploy.canary")[-1]
+        assert audit.success is False and audit.details["error"] == "failed"
+        assert greedy(fleet[0], base_version)  # the stable replica never stopped answering
+    finally:
+        monkeypatch.setattr(vllm_admin, "pause", real_pause)
+        state = up(settings, ["vllm"], model_dir=base_model_dir)  # the killed replica comes back (fresh process)
+        assert state.components["vllm-1"].where == url and state.components["vllm-1"].pid != victim.pid
+        httpx.post(f"{url}/v1/completions", json={"model": base_version, "prompt": "warm up", "max_tokens": 4},
+                   timeout=WARMUP_TIMEOUT_S).raise_for_status()  # fmt: skip
+    results = reconcile(engine, settings)
+    assert all(r.ok for r in results), results
+    rows = replica_rows(engine)
+    assert (rows[url].state, rows[url].policy_version) == ("serving", base_version)
