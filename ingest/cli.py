@@ -104,7 +104,7 @@ def gateway(
     db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL of the write keys."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
-    """Serve the HTTP gateway (POST /v1/events, /metrics, /docs)."""
+    """Serve the HTTP gateway (POST /v1/events; /metrics, /docs and /openapi.json behind a key)."""
     import uvicorn
 
     from flywheel.stack.endpoints import kafka_bootstrap

@@ -41,6 +41,8 @@ from ingest import metrics
 log = logging.getLogger(__name__)
 
 PRODUCE_TIMEOUT_S = 10.0
+PUBLIC_PATHS = frozenset({"/healthz"})
+"""The only paths the gateway serves without a key (liveness)."""
 """How long the gateway waits for Kafka's acknowledgement before answering 503."""
 
 
@@ -171,16 +173,21 @@ class KeyStore:
             session.commit()
         return info
 
-    def authenticate(self, authorization: str | None) -> KeyInfo:
-        """The active write key of an ``Authorization`` header, else raise 401 (or 403 for a non-writer)."""
+    def active_key(self, authorization: str | None) -> KeyInfo:
+        """The active key (write key or ops token) of an ``Authorization`` header, else raise 401."""
         token = bearer_token(authorization)
         if token is None:
-            raise _unauthorized("missing write key: send 'Authorization: Bearer <write key>'")
+            raise _unauthorized("missing key: send 'Authorization: Bearer <key>'")
         info = self.lookup(token)
         if info is None:
-            raise _unauthorized("unknown write key")
+            raise _unauthorized("unknown key")
         if not info.active:
-            raise _unauthorized("this write key has been revoked")
+            raise _unauthorized("this key has been revoked")
+        return info
+
+    def authenticate(self, authorization: str | None) -> KeyInfo:
+        """The active write key of an ``Authorization`` header, else raise 401 (or 403 for a non-writer)."""
+        info = self.active_key(authorization)
         if info.role != "writer" or not info.project:
             raise HTTPException(403, f"a {info.role} token cannot write events; use a project's write key")
         return info
@@ -320,6 +327,9 @@ def create_app(
         version="1",
         description="Send session events over HTTP with a project's write key.",
         lifespan=lifespan,
+        openapi_url=None,  # served below, behind a key like every route but /healthz
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.keys = keys
 
@@ -355,12 +365,30 @@ def create_app(
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
 
     @app.get("/metrics", include_in_schema=False)
-    def prometheus() -> Response:
+    def prometheus(request: Request) -> Response:
+        """Prometheus metrics, for an ops token (``viewer`` and up; Prometheus sends it as a bearer credential)."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        info = keys.active_key(request.headers.get("authorization"))
+        if info.role == "writer":
+            raise HTTPException(403, "a write key cannot read metrics; use an ops token (viewer or above)")
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz")
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(request: Request) -> JSONResponse:
+        """The OpenAPI schema, for any active key."""
+        keys.active_key(request.headers.get("authorization"))
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(request: Request) -> Response:
+        """Swagger UI over /openapi.json, for any active key."""
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        keys.active_key(request.headers.get("authorization"))
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/healthz")  # the only route without a key: PUBLIC_PATHS
     def healthz() -> dict[str, str]:
         """Liveness: the process answers."""
         return {"status": "ok"}

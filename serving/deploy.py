@@ -137,10 +137,19 @@ def usable_checkpoint(session: Session, checkpoint_id: str, strategy: str) -> Ch
     if strategy == "full" and row.format != "full":
         raise DeployError("invalid", f"checkpoint {checkpoint_id} is a {row.format} checkpoint; the fleet's strategy is full weights")
     try:
-        check_weights(row.path)
+        check_weights(row.path, reference=_served_model_folder(row))
     except vllm_admin.CheckpointInvalid as err:
         raise DeployError("invalid", f"checkpoint {checkpoint_id} has invalid files: {err}") from None
     return row
+
+
+def _served_model_folder(row: Checkpoint) -> str | None:
+    """The base model folder a full-weight checkpoint's shapes are checked against, when this host sees it."""
+    from pathlib import Path
+
+    if row.format == "full" and row.base_model and Path(row.base_model).is_dir():
+        return row.base_model
+    return None
 
 
 def _require_stable(session: Session, fleet: str) -> Deployment:

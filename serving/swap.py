@@ -121,8 +121,12 @@ def completion_logprobs(body: dict[str, Any]) -> list[float]:
     return [float(v) for v in values]
 
 
-def check_weights(weights_path: str) -> None:
+def check_weights(weights_path: str, reference: str | None = None) -> None:
     """The checkpoint's files are complete and every tensor is finite; raises ``CheckpointInvalid``.
+
+    With ``reference`` (the folder of the model the fleet serves, for a full-weight
+    checkpoint), its tensors must also be exactly the reference's names and shapes: vLLM
+    reloads in place into the tensors it has, so a missing or reshaped one breaks the replica.
 
     Beyond :func:`~flywheel.stack.vllm_admin.check_checkpoint` (headers, sizes): measured
     on vLLM 0.32 here, weights with NaN made the replica answer every completion with HTTP 400
@@ -132,6 +136,8 @@ def check_weights(weights_path: str) -> None:
     from safetensors import safe_open
 
     files = vllm_admin.check_checkpoint(weights_path)
+    if reference is not None:
+        _same_shapes(vllm_admin.tensor_shapes(files), vllm_admin.tensor_shapes(vllm_admin.check_checkpoint(reference)))
     import torch
 
     for file in files:
@@ -145,6 +151,19 @@ def check_weights(weights_path: str) -> None:
             raise
         except Exception as err:  # safetensors raises its own errors for corrupt data: one clear refusal
             raise vllm_admin.CheckpointInvalid(f"{file} is unreadable: {type(err).__name__}: {err}") from err
+
+
+def _same_shapes(shapes: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
+    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or extra:
+        raise vllm_admin.CheckpointInvalid(
+            f"tensors differ from the served model's: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    for name in sorted(expected):
+        if shapes[name] != expected[name]:
+            raise vllm_admin.CheckpointInvalid(
+                f"tensor {name} has shape {shapes[name]}, the served model's has {expected[name]}"
+            )
 
 
 # --------------------------------------------------------------------------- replica calls

@@ -499,7 +499,7 @@ def parse_event(data: bytes | str | dict[str, Any]) -> Event:
     kind = data.get("type")
     if kind is None:
         raise ContractError("type", "missing")
-    if kind not in EVENT_TYPES:
+    if not isinstance(kind, str) or kind not in EVENT_TYPES:  # a list or an object is not hashable
         raise ContractError("type", f"unknown event type {kind!r} (known: {', '.join(sorted(EVENT_TYPES))})")
     try:
         return EVENT_ADAPTER.validate_python(data)

@@ -86,6 +86,8 @@ class DemoConfig:
     """Seed of the agent's problem choice and users."""
     database: str = DEMO_DATABASE
     """Database the demo migrates afresh (dropped first, kept afterwards for inspection)."""
+    on_start: Callable[[Any, Settings, Any], None] | None = None
+    """Called with (engine, settings, service group) once the services and the agent run."""
     on_finish: Callable[[Any, Settings, dict[str, Any]], None] | None = None
     """Called with (engine, settings, summary) after the summary, while every service still runs."""
 
@@ -174,6 +176,8 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
                       spool_dir=Path(settings.run_dir) / "demo-spool")  # fmt: skip
         agent = DemoAgent(fw, router, concurrency=config.concurrency, seed=config.seed)
         agent.start()
+        if config.on_start is not None:
+            config.on_start(engine, child_settings, group)
         learn_started = time.monotonic()
         base = snapshot(engine, settings.serving.fleet)
         base_success = _base_success(base)
@@ -336,7 +340,8 @@ def _summary(snap: Any, base_success: float, minutes: float, agent: dict[str, An
         "rewards": snap.rewards,
         "samples": snap.samples,
         "stable": snap.stable["policy_version"] if snap.stable else None,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "on_finish"},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()
+                   if k not in ("on_start", "on_finish")},
         **regression,
     }
 

@@ -100,7 +100,15 @@ def check_checkpoint(weights_path: str | Path) -> list[Path]:
     return files
 
 
-def _check_safetensors_header(file: Path) -> None:
+def tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Tensor name → shape, from the (already checked) safetensors headers of ``files``."""
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        shapes |= {k: list(t["shape"]) for k, t in _check_safetensors_header(file).items() if k != "__metadata__"}
+    return shapes
+
+
+def _check_safetensors_header(file: Path) -> dict[str, Any]:
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -116,6 +124,7 @@ def _check_safetensors_header(file: Path) -> None:
     end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + length + end > size:
         raise CheckpointInvalid(f"{file} is truncated (tensors end at byte {8 + length + end}, file has {size})")
+    return header
 
 
 def reload_weights(url: str, weights_path: str | Path, timeout_s: float = 300.0, check: bool = True) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import strategies as st
 
 from flywheel.config import Settings
 from flywheel.stack import endpoints
@@ -166,3 +167,39 @@ def vllm_replica(stack_settings: Settings, base_model_dir: Path) -> Iterator[Vll
         yield replica
     finally:
         down(stack_settings, ["vllm"])
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+"""Any JSON value, small (hypothesis): what a fuzz test puts where a field's value should be."""
+
+FAULT_REPORT_ENV = "FLYWHEEL_FAULT_REPORT"
+"""When set, fault and bad-input tests append their figures to this JSON-lines file (bench/reliability.py)."""
+
+
+@pytest.fixture
+def fault_figures(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """Record a fault scenario's figures for ``make bench-reliability``.
+
+    ``record(unit=..., sent=..., stored=..., distinct=...)``: what the scenario sent, how many
+    records it found at the end and how many distinct ones; lost = sent - distinct and
+    duplicated = stored - distinct. Extra keyword figures (e.g. ``bad_inputs``, ``server_errors``)
+    are kept as they are. Call it before the scenario's assertions, so a failing scenario still
+    reports what it lost. A no-op unless ``$FLYWHEEL_FAULT_REPORT`` is set.
+    """
+    import json
+    import os
+
+    def record(unit: str = "events", sent: int = 0, stored: int = 0, distinct: int = 0, **extra: int) -> None:
+        path = os.environ.get(FAULT_REPORT_ENV)
+        if not path:
+            return
+        line = {"test": request.node.nodeid, "unit": unit, "sent": sent, "lost": max(sent - distinct, 0),
+                "duplicated": max(stored - distinct, 0), **extra}  # fmt: skip
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+
+    return record

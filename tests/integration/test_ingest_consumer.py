@@ -292,7 +292,7 @@ def _consumer_process(settings: Settings, pg_url: str, tmp_path: Path) -> subpro
 
 
 def test_consumer_killed_mid_stream_then_restarted_writes_every_event_exactly_once(
-    ingest_settings, db, producer, pg_url, tmp_path
+    ingest_settings, db, producer, pg_url, tmp_path, fault_figures
 ):
     project = ingest_settings.kafka.topic_prefix
     t0 = datetime.now(timezone.utc) - timedelta(minutes=5)
@@ -339,6 +339,7 @@ def test_consumer_killed_mid_stream_then_restarted_writes_every_event_exactly_on
         (n_dead,) = conn.execute(
             "SELECT count(DISTINCT (kafka_partition, kafka_offset)) FROM dead_letters WHERE topic = %s", (topic,)
         ).fetchone()
+    fault_figures(sent=total, stored=n, distinct=distinct)
     assert n == distinct == total
     assert counted == total  # replayed events were not counted again
     assert n_dead == 20
@@ -469,7 +470,7 @@ def test_feedback_before_its_completion_waits_and_for_a_missing_one_is_reported(
 
 
 def test_postgres_restarted_under_traffic_the_consumer_reconnects_and_loses_nothing(
-    settings_factory, unused_port, kafka_bootstrap, tmp_path
+    settings_factory, unused_port, kafka_bootstrap, tmp_path, fault_figures
 ):
     """A private embedded Postgres is stopped and started again while events stream in.
 
@@ -539,5 +540,6 @@ def test_postgres_restarted_under_traffic_the_consumer_reconnects_and_loses_noth
             (counted,) = conn.execute("SELECT sum(n_events) FROM sessions WHERE project = %s", (project,)).fetchone()
     finally:
         down(stack)
+    fault_figures(sent=total, stored=n, distinct=distinct)
     assert n == distinct == total
     assert counted == total

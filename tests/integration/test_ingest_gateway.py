@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from typer.testing import CliRunner
 
@@ -25,6 +28,7 @@ from flywheel.db.migrate import upgrade
 from ingest.cli import app as cli_app
 from ingest.gateway import create_app
 from ingest.topics import ensure_topics
+from conftest import JSON_VALUES
 
 pytestmark = pytest.mark.integration
 
@@ -208,18 +212,44 @@ def test_oversize_bodies_and_batches_are_413(gateway):
     assert gateway.post(b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
 
 
-def test_openapi_and_metrics_are_served(gateway):
-    spec = httpx.get(f"{gateway.url}/openapi.json").json()
+def test_openapi_and_metrics_are_served_behind_a_key(gateway):
+    writer = {"Authorization": f"Bearer {gateway.key}"}
+    _, ops = _key(gateway.pg_url, gateway.project, role="viewer")
+    viewer = {"Authorization": f"Bearer {ops}"}
+    spec = httpx.get(f"{gateway.url}/openapi.json", headers=writer).json()
     responses = spec["paths"]["/v1/events"]["post"]["responses"]
     assert {"202", "401", "403", "413", "422"} <= set(responses)
     assert "events" in spec["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"]["schema"][
         "properties"
     ]
-    assert httpx.get(f"{gateway.url}/docs").status_code == 200
-    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert httpx.get(f"{gateway.url}/docs", headers=viewer).status_code == 200
+    metrics = httpx.get(f"{gateway.url}/metrics", headers=viewer).text  # they name projects: not for write keys
     assert f'flywheel_ingest_accepted_total{{project="{gateway.project}"}}' in metrics
     assert "flywheel_ingest_rejected_total" in metrics
+    refused = httpx.get(f"{gateway.url}/metrics", headers=writer)
+    assert refused.status_code == 403 and "ops token" in refused.json()["detail"]
 
+
+def test_every_route_but_healthz_refuses_a_request_without_a_valid_key(gateway):
+    """Enumerates the app's routes, so a route added without the key check fails here."""
+    import re
+
+    from ingest.gateway import PUBLIC_PATHS
+
+    app = create_app(gateway.settings, producer=None, db_url=gateway.pg_url)
+    routes = [(m, r.path) for r in app.routes for m in sorted(getattr(r, "methods", None) or {"GET"}) if m != "HEAD"]
+    checked = 0
+    for method, path in routes:
+        if path in PUBLIC_PATHS:
+            continue
+        url = gateway.url + re.sub(r"\{[^}]+\}", "1", path)
+        for headers in ({}, {"Authorization": "Basic dXNlcjpwYXNz"}, {"Authorization": "Bearer fwk_" + "x" * 32}):
+            response = httpx.request(method, url, headers=headers, json={"events": []}, timeout=30)
+            assert response.status_code == 401, (method, path, headers, response.status_code)
+            assert response.json()["detail"] and response.headers["www-authenticate"] == "Bearer"
+        checked += 1
+    assert checked >= 4  # /v1/events, /metrics, /openapi.json, /docs
+    assert httpx.get(f"{gateway.url}/healthz").status_code == 200
 
 def test_keys_cli_creates_lists_and_revokes(gateway):
     runner = CliRunner()
@@ -238,3 +268,105 @@ def test_keys_cli_creates_lists_and_revokes(gateway):
     listed = runner.invoke(cli_app, ["keys", "list", "--project", gateway.project, "--db-url", gateway.pg_url])
     assert "revoked" in next(line for line in listed.stdout.splitlines() if line.split()[0] == key_id)
     assert runner.invoke(cli_app, ["keys", "revoke", "999999999", "--db-url", gateway.pg_url]).exit_code == 1
+
+
+# -- bad input, generated: no 5xx, every refusal says why, the valid events get through -------------
+
+FIELDS = ["event_id", "type", "schema_version", "project", "session_id", "occurred_at", "messages"]
+
+
+def _nested(depth: int) -> object:
+    value: object = "deep"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@st.composite
+def bad_item(draw: st.DrawFn, project: str) -> object:
+    """One event the gateway must refuse (or, for a few mutations, may accept: a value that happens to be valid)."""
+    item = turn(project, f"fz-{uuid.uuid4().hex[:8]}")
+    kind = draw(st.sampled_from(["drop", "replace", "version", "future", "past", "foreign", "deep", "scalar", "big"]))
+    if kind == "drop":
+        del item[draw(st.sampled_from(FIELDS))]
+    elif kind == "replace":
+        item[draw(st.sampled_from(FIELDS))] = draw(JSON_VALUES)
+    elif kind == "version":
+        item["schema_version"] = draw(st.integers().filter(lambda v: v != 1) | st.text(max_size=4))
+    elif kind == "future":
+        item["occurred_at"] = "2999-01-01T00:00:00Z"
+    elif kind == "past":
+        item["occurred_at"] = draw(st.sampled_from(["0001-01-01T00:00:00Z", "1900-13-40T00:00:00Z", "yesterday"]))
+    elif kind == "foreign":
+        item["project"] = "another-project"
+    elif kind == "deep":
+        item["messages"][0]["content"] = _nested(draw(st.integers(50, 400)))
+    elif kind == "big":
+        item["messages"][0]["content"] = "z" * 5_000  # over max_event_bytes (4,000 here)
+    else:
+        return draw(JSON_VALUES)
+    return item
+
+
+BAD_BODIES = [
+    b"\xff\xfe\x00 not utf-8 \xc3\x28",
+    b'{"events": [' * 5_000,  # deeply nested JSON
+    b"[" * 100_000,
+    b"",
+    b"null",
+    b'{"events": "not a list"}',
+    b'{"events": [], "extra": 1}',
+    b'{"events": [{"type": "turn"}]' + b" " * 30_000 + b"}",  # oversize body
+]
+
+
+def _check_answer(response: httpx.Response) -> None:
+    assert response.status_code < 500, response.text
+    body = response.json()
+    if response.status_code in (202, 403, 422):
+        assert all(r["reason"] for r in body["rejected"]), body
+    elif response.status_code >= 400:
+        assert body["detail"], body
+
+
+def test_generated_bad_input_never_gets_a_5xx_and_valid_events_in_the_batch_are_kept(gateway, fault_figures):
+    stats = {"bad": 0, "server_errors": 0, "valid": 0}
+    accepted: set[str] = set()
+    valid_sent: set[str] = set()
+
+    @hypothesis_settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(batch=st.lists(st.tuples(st.booleans(), st.data()), min_size=1, max_size=8))
+    def one_batch(batch: list) -> None:
+        items, valid_ids = [], []
+        for is_valid, data in batch:
+            if is_valid:
+                item = turn(gateway.project, f"fz-{uuid.uuid4().hex[:8]}", data.draw(st.text(max_size=40)))
+                valid_ids.append(item["event_id"])
+            else:
+                item = data.draw(bad_item(gateway.project))
+                stats["bad"] += 1
+            items.append(item)
+        response = gateway.post({"events": items})
+        stats["server_errors"] += response.status_code >= 500
+        _check_answer(response)
+        if valid_ids:
+            assert response.status_code in (202, 422), response.text
+            got = response.json()["accepted"]
+            assert set(valid_ids) <= set(got), "a valid event in a mixed batch was dropped"
+            accepted.update(got)
+            valid_sent.update(valid_ids)
+        stats["valid"] += len(valid_ids)
+
+    one_batch()
+    for raw in BAD_BODIES:
+        response = gateway.post(raw, headers={"Content-Type": "application/json"})
+        stats["bad"] += 1
+        stats["server_errors"] += response.status_code >= 500
+        _check_answer(response)
+        assert response.status_code in (400, 413), (raw[:40], response.status_code, response.text)
+    found = on_topic(gateway, valid_sent, timeout_s=60)
+    fault_figures(unit="events", sent=len(valid_sent), stored=len(valid_sent & set(found)),
+                  distinct=len(valid_sent & set(found)), bad_inputs=stats["bad"], server_errors=stats["server_errors"])  # fmt: skip
+    assert stats["server_errors"] == 0
+    assert valid_sent <= set(found), f"{len(valid_sent - set(found))} accepted valid events are not on Kafka"
+    assert stats["bad"] >= 60

@@ -46,7 +46,7 @@ def counts(db_url: str, project: str) -> dict[str, int]:
 
 
 def test_killed_and_restarted_worker_scores_every_session_exactly_once(
-    kafka_bootstrap: str, pg_url: str, tmp_path
+    kafka_bootstrap: str, pg_url: str, tmp_path, fault_figures
 ) -> None:
     migrate.upgrade(pg_url)
     tag = uuid.uuid4().hex[:8]
@@ -101,6 +101,7 @@ def test_killed_and_restarted_worker_scores_every_session_exactly_once(
         first.kill()
         feeder.join(timeout=120)
         producer.close()
+    fault_figures(unit="sessions scored", sent=SESSIONS, stored=final["rewards"], distinct=final["sessions"])
     assert 0 < before < SESSIONS, "the kill must land mid-stream"
     assert final == {
         "sessions": SESSIONS,

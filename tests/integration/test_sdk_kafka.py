@@ -156,7 +156,7 @@ def read_all(bootstrap: str, want: int, timeout_s: float = 60.0) -> list:
         consumer.close()
 
 
-def test_broker_outage_spools_then_replays_everything_in_order(tansu: Tansu, tmp_path: Path) -> None:
+def test_broker_outage_spools_then_replays_everything_in_order(tansu: Tansu, tmp_path: Path, fault_figures) -> None:
     fw = Flywheel(project="sdk-outage", kafka_bootstrap=tansu.bootstrap, spool_dir=tmp_path / "spool")
     try:
         logged: dict[str, list[str]] = {}
@@ -210,6 +210,8 @@ def test_broker_outage_spools_then_replays_everything_in_order(tansu: Tansu, tmp
     records = read_all(tansu.bootstrap, EVENTS)
     events = [parse_event(r.value) for r in records]
     ids = [str(e.event_id) for e in events]
+    logged_ids = {i for per_session in logged.values() for i in per_session}
+    fault_figures(sent=EVENTS, stored=len(ids), distinct=len(set(ids) & logged_ids))
     assert len(ids) == EVENTS and len(set(ids)) == EVENTS, f"{len(ids)} records, {len(set(ids))} distinct"
     assert set(ids) == {i for per_session in logged.values() for i in per_session}
     assert all(r.key.decode() == e.session_id for r, e in zip(records, events))

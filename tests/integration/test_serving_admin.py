@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
+from hypothesis import strategies as st
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -30,6 +31,7 @@ from flywheel.db import migrate
 from flywheel.db.engine import get_engine
 from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.stack import endpoints
+from conftest import JSON_VALUES
 from serving.admin import PUBLIC_PATHS, READ_METHODS, ROLE_RANK, BootstrapRefused, bootstrap_admin_token, create_app, required_role
 
 pytestmark = pytest.mark.integration
@@ -473,3 +475,62 @@ def test_a_streamed_oversize_body_is_refused(client, tokens):
     headers = {**bearer(tokens["operator"]), "content-type": "application/json"}
     response = client.post("/v1/promote", content=chunks(), headers=headers)
     assert response.status_code == 413 and "over the limit of 65536 bytes" in response.json()["reason"]
+
+
+# -- generated requests to every documented operation (kept last: it pauses and creates things) ----
+
+PRINTABLE = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
+
+
+def _body_schema(spec: dict[str, Any], operation: dict[str, Any]) -> dict[str, Any]:
+    schema = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    if "$ref" in schema:
+        schema = spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]]
+    return schema
+
+
+def test_generated_requests_to_every_operation_never_get_a_5xx_and_refusals_say_why(client, tokens, fault_figures):
+    """Every operation of the admin API's OpenAPI, called with generated path values, query
+    parameters and bodies (the schema's own fields with any JSON values, or any JSON at all) under
+    an admin token: no 5xx, and every refusal is the API's error body with a reason."""
+    from urllib.parse import quote
+
+    from hypothesis import HealthCheck, given
+    from hypothesis import settings as hypothesis_settings
+
+    admin = bearer(tokens["admin"])
+    spec = client.get("/openapi.json", headers=admin).json()
+    operations = [(method.upper(), path, op) for path, item in spec["paths"].items() for method, op in item.items()
+                  if method in ("get", "post", "put", "delete", "patch")]  # fmt: skip
+    assert len(operations) >= 15
+    seen = {"tried": 0, "server_errors": 0, "refused": 0}
+    hit: set[tuple[str, str]] = set()
+
+    @hypothesis_settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def one(data: st.DataObject) -> None:
+        method, path, op = data.draw(st.sampled_from(operations))
+        ids = st.integers(min_value=10**6, max_value=2**40) | PRINTABLE.filter(bool)  # never an existing token's id
+        url = re.sub(r"\{[^}]+\}", lambda _m: quote(str(data.draw(ids)), safe=""), path)
+        params = {p["name"]: data.draw(PRINTABLE | st.integers() | st.booleans())
+                  for p in op.get("parameters", []) if p["in"] == "query" and data.draw(st.booleans())}  # fmt: skip
+        fields = _body_schema(spec, op).get("properties", {})
+        body = data.draw(st.fixed_dictionaries({}, optional={k: JSON_VALUES for k in fields}) | JSON_VALUES)
+        response = client.request(method, url, params=params, json=body, headers=admin)
+        seen["tried"] += 1
+        hit.add((method, path))
+        seen["server_errors"] += response.status_code >= 500
+        assert response.status_code < 500, (method, url, params, body, response.text)
+        if response.status_code >= 400:
+            seen["refused"] += 1
+            error = response.json()
+            assert error["error"] and error["reason"], (method, url, error)
+
+    try:
+        one()
+    finally:
+        for what in ("trainer", "canary"):  # whatever the generated calls paused
+            client.post(f"/v1/{what}/resume", headers=admin)
+    fault_figures(unit="requests", bad_inputs=seen["refused"], server_errors=seen["server_errors"])
+    assert seen["server_errors"] == 0
+    assert len(hit) >= len(operations) * 0.8, sorted(set((m, p) for m, p, _ in operations) - hit)

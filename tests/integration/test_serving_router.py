@@ -289,7 +289,7 @@ def open_stream(router_url: str, model: str) -> tuple[Any, str, Iterator[Any]]:
     return context, response.headers["x-flywheel-replica"], chunks
 
 
-def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: Fleet) -> None:
+def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: Fleet, fault_figures) -> None:
     configure(fleet, [fleet.base_version] * 2, None)
     with RouterThread(router_settings(fleet), fleet.engine) as rt:
         wait_for(lambda: routable_urls(rt.router) == set(fleet.urls), 20, "both replicas routable")
@@ -335,6 +335,8 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
             for context, _, _ in streams:
                 context.__exit__(None, None, None)
         after = [(s, r) for t, s, r in results if t > killed_at + 0.5]
+        ok = sum(1 for _, s, _ in results if s == 200)
+        fault_figures(unit="requests", sent=len(results), stored=ok, distinct=ok)
         assert all(s == 200 for _, s, _ in results), Counter(s for _, s, _ in results)
         assert after and all(r == survivor for _, r in after)
         assert rt.router.metrics.ejections.labels(victim)._value.get() >= 1
@@ -367,7 +369,9 @@ def _router_process(fleet: Fleet, port: int, log_path: Path) -> "subprocess.Pope
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
-def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(fleet: Fleet, tmp_path: Path) -> None:
+def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(
+    fleet: Fleet, tmp_path: Path, fault_figures
+) -> None:
     """SIGKILL the router process under load, start it again: clients retrying as the official
     ``openai`` client does see every request answered, and every session keeps its policy version
     (the split is a deterministic hash of the session, so a fresh router agrees with the old one)."""
@@ -425,6 +429,8 @@ def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(f
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(30)
+    answered_total = sum(answered.values())
+    fault_figures(unit="requests", sent=answered_total + len(failures), stored=answered_total, distinct=answered_total)
     assert not failures, failures[:5]
     changed = {sid: versions for sid, versions in seen.items() if len(set(versions)) > 1}
     assert not changed, changed

@@ -117,6 +117,8 @@ def _base(**fields):
             "<= 0",
         ),
         ({"schema_version": 1, **ENV, "type": "outcome", "name": "x", "value": "NaN"}, "value", ""),
+        ({"schema_version": 1, **ENV, "type": ["turn"]}, "type", "unknown event type"),  # unhashable: was a 500
+        ({"schema_version": 1, **ENV, "type": {"a": 1}}, "type", "unknown event type"),
         ({"schema_version": 1, **ENV, "type": "session_start", "metadata": {"a": {"deep": 1}}}, "metadata.a", ""),
     ],
 )

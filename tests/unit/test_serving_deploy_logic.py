@@ -117,3 +117,15 @@ def test_check_weights_refuses_non_finite_and_truncated_files(tmp_path):
         check_weights(str(cut.parent))
     with pytest.raises(CheckpointInvalid, match="does not exist"):
         check_weights(str(tmp_path / "missing"))
+
+
+def test_check_weights_against_the_served_model_refuses_other_names_and_shapes(tmp_path):
+    from flywheel.stack.vllm_admin import CheckpointInvalid
+    from serving.swap import check_weights
+
+    served = str(_weights(tmp_path / "served", a=[1.0, 2.0], b=[[0.5]]))
+    check_weights(str(_weights(tmp_path / "same", a=[3.0, 4.0], b=[[1.5]])), reference=served)
+    with pytest.raises(CheckpointInvalid, match=r"tensor a has shape \[3\], the served model's has \[2\]"):
+        check_weights(str(_weights(tmp_path / "wide", a=[1.0, 2.0, 3.0], b=[[0.5]])), reference=served)
+    with pytest.raises(CheckpointInvalid, match=r"missing \['b'\], unexpected \['c'\]"):
+        check_weights(str(_weights(tmp_path / "renamed", a=[1.0, 2.0], c=[[0.5]])), reference=served)
