@@ -196,8 +196,11 @@ class TrainerSettings(BaseModel):
     """Port of the worker's Prometheus endpoint; None disables it."""
     metrics_textfile: Path = Path(".flywheel/run/trainer.prom")
     """Prometheus text file rewritten after every step and cycle (node-exporter textfile format)."""
-    parent: Literal["stable", "latest"] = "stable"
-    """What a cycle trains from: the stable deployment's checkpoint (else the base), or the newest candidate."""
+    parent: Literal["stable", "latest", "lineage"] = "stable"
+    """What a cycle trains from: the stable deployment's checkpoint (else the base); the newest candidate;
+    or ``lineage``: the newest checkpoint descending from the stable through checkpoints still on trial
+    (gated candidates and the active canary), so training goes on while a canary is judged and a rolled-back
+    lineage is dropped (``trainer.registry.pending_lineage_tip``)."""
     min_samples: int = Field(64, ge=1, le=1_000_000)
     """Fewest trainable samples a cycle trains on; below it the cycle is skipped with the counts."""
     max_samples: int = Field(1024, ge=1, le=1_000_000)

@@ -287,7 +287,10 @@ def parent_checkpoint_id(session: "Session", t: TrainerSettings, base_id: str) -
     """What this cycle trains from (``trainer.parent``)."""
     if t.parent == "latest":
         return registry.latest_trained_id(session) or registry.stable_checkpoint_id(session) or base_id
-    return registry.stable_checkpoint_id(session) or base_id
+    stable = registry.stable_checkpoint_id(session) or base_id
+    if t.parent == "lineage":
+        return registry.lineage_tip_id(session, stable)
+    return stable
 
 
 def prepare_batch(

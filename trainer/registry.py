@@ -130,6 +130,43 @@ def latest_trained_id(session: "Session") -> str | None:
     return session.scalars(query).first()
 
 
+def pending_lineage_tip(
+    stable_id: str,
+    checkpoints: list[tuple[str, str | None, str]],
+    active_canaries: set[str],
+) -> str:
+    """The newest checkpoint that descends from the stable through checkpoints still on trial.
+
+    ``checkpoints``: ``(id, parent_id, status)``, oldest first. A checkpoint is *on trial* when
+    it passed the gate and was never deployed (``candidate``) or is an active canary now. The
+    tip is the newest on-trial checkpoint whose every ancestor up to ``stable_id`` is on trial
+    too; without one, the stable itself. So training continues from the newest checkpoint
+    not yet judged by live traffic, and a lineage whose member was rolled back (or rejected)
+    is abandoned at once: nothing below it is ever trained from again.
+    """
+    parents = {cid: parent for cid, parent, _ in checkpoints}
+    on_trial = {cid for cid, _, status in checkpoints if status == "candidate"} | active_canaries
+    for cid, _, _ in reversed(checkpoints):
+        node, seen = cid, set()
+        while node in on_trial and node not in seen:
+            seen.add(node)
+            node = parents.get(node)
+        if node == stable_id and cid != stable_id:
+            return cid
+    return stable_id
+
+
+def lineage_tip_id(session: "Session", stable_id: str) -> str:
+    """:func:`pending_lineage_tip` over the registry (``trainer.parent = "lineage"``)."""
+    rows = session.execute(
+        select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status).order_by(Checkpoint.created_at, Checkpoint.id)
+    ).all()
+    canaries = set(
+        session.scalars(select(Deployment.checkpoint_id).where(Deployment.status == "active", Deployment.role == "canary"))
+    )
+    return pending_lineage_tip(stable_id, [tuple(r) for r in rows], canaries)
+
+
 def get_checkpoint(session: "Session", checkpoint_id: str) -> Checkpoint:
     """One checkpoint row (raises ``LookupError`` when absent)."""
     row = session.get(Checkpoint, checkpoint_id)

@@ -58,6 +58,9 @@ class DemoConfig:
     """Concurrent agent sessions."""
     cycle_s: float = 20.0
     """Celery beat's training schedule."""
+    trainer_parent: str = "lineage"
+    """What a cycle trains from (``trainer.parent``): the demo trains the next checkpoint while the
+    canary of the last one is judged, instead of once more from the stable it may replace."""
     trainer_threads: int = 1
     """torch threads of the training cycle. The trainer shares two cores with two busy vLLM
     replicas: with two threads each OpenMP barrier waits for a thread the scheduler has
@@ -101,6 +104,7 @@ def service_overrides(config: DemoConfig, settings: Settings, db_url: str) -> di
             "min_samples": config.min_samples,
             "max_samples": config.max_samples,
             "torch_threads": config.trainer_threads,
+            "parent": config.trainer_parent,
             "show_progress": False,
             "checkpoint_dir": Path(settings.run_dir) / "demo-checkpoints",
             "metrics_textfile": Path(settings.run_dir) / "trainer.prom",

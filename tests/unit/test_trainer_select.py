@@ -89,3 +89,22 @@ def test_gate_passes_within_margin_and_rejects_beyond():
     bad = decide({"success_rate": 0.30, "n": 100}, {"success_rate": 0.45}, cfg)
     assert not bad.passed
     assert "0.300 vs parent 0.450" in bad.reason and "-0.150" in bad.reason
+
+
+def test_lineage_tip_follows_checkpoints_on_trial_and_drops_a_rolled_back_branch():
+    from trainer.registry import pending_lineage_tip
+
+    S = "stable"
+    # c1 is the active canary; c2 (from c1) and c3 (from c2) passed the gate; r (from S) was rejected
+    rows = [(S, None, "deployed"), ("c1", S, "deployed"), ("r", S, "rejected"), ("c2", "c1", "candidate"),
+            ("c3", "c2", "candidate")]  # fmt: skip
+    assert pending_lineage_tip(S, rows, active_canaries={"c1"}) == "c3"
+    # c1 rolled back (no longer an active canary, status stays "deployed"): c2 and c3 are abandoned
+    assert pending_lineage_tip(S, rows, active_canaries=set()) == S
+    # a newer sibling trained from the stable wins over an older branch
+    assert pending_lineage_tip(S, [*rows, ("c4", S, "candidate")], active_canaries={"c1"}) == "c4"
+    # only the stable: train from it; a rejected tip is skipped for its on-trial parent
+    assert pending_lineage_tip(S, [(S, None, "deployed")], set()) == S
+    assert pending_lineage_tip(S, [*rows, ("bad", "c3", "rejected")], {"c1"}) == "c3"
+    # a checkpoint trained from an older stable is not on this lineage
+    assert pending_lineage_tip(S, [("old", None, "deployed"), ("x", "old", "candidate"), (S, "old", "deployed")], set()) == S
