@@ -16,7 +16,13 @@
    client logs ~1 KB events at ``--rate`` per second (by default half the end-to-end rate
    that ``make bench-ingest`` measured here, 7,279/s). Every 15 s it samples each
    service's resident memory (its whole process group) and the ingest consumer group's
-   lag on the events topic. At the end every soak event must be in Postgres exactly once.
+   lag on the events topic. At the end every soak event must be in Postgres exactly once,
+   except those the SDK itself dropped and counted (``soak_sdk_dropped``: its queue and its
+   disk spool were both full, which it logs); ``soak_events_lost`` counts the rest that are
+   missing, a silent loss, which must be 0. On this two-core machine the whole loop (two
+   busy vLLM replicas and the trainer) leaves too little CPU for the soak client's sender at
+   3,640 events/s: its spool filled and it dropped events (counted) within minutes; the
+   figures in the closing notes say which ``--rate`` a run used.
    Memory growth compares each service's peak in the last third with its peak in the
    second third (the first third is warm-up: models load, caches fill).
 
@@ -222,10 +228,12 @@ class Soak:
                 stored, distinct = conn.execute(
                     text("SELECT count(*), count(DISTINCT event_id) FROM raw_events WHERE project = :p"), {"p": self.project}
                 ).one()
-            if distinct >= self.sent:
+            if distinct >= self.sent - self.fw.stats.dropped:
                 break
             time.sleep(2.0)
-        self.result = {"soak_events_sent": self.sent, "soak_events_lost": self.sent - distinct,
+        dropped = self.fw.stats.dropped  # the SDK's counted, logged drop when queue and spool are full
+        self.result = {"soak_events_sent": self.sent, "soak_sdk_dropped": dropped,
+                       "soak_events_lost": self.sent - dropped - distinct,  # lost without being counted: must be 0
                        "soak_events_duplicated": stored - distinct, **_growth(self.samples),
                        "soak_sampling_errors": self.errors[:5]}  # fmt: skip
 
@@ -293,7 +301,7 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
     growth = out.get("soak_max_rss_growth_pct")
     out["soak_ok"] = bool(
         out.get("soak_events_lost") == 0 and out.get("soak_events_duplicated") == 0
-        and out["soak_failed_requests"] == 0 and growth is not None and growth < 10.0
+        and out.get("soak_sdk_dropped") == 0 and out["soak_failed_requests"] == 0 and growth is not None and growth < 10.0
     )  # fmt: skip
     return out
 

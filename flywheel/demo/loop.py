@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -326,6 +326,17 @@ def _inject_regression(engine: Any, settings: Settings, config: DemoConfig, agen
             "regression_rolled_back": False, "regression_rollback_sessions": None}  # fmt: skip
 
 
+def config_json(config: DemoConfig) -> dict[str, Any]:
+    """The knobs of ``config`` as JSON values (the hooks left out: they are code, and may hold locks)."""
+    out = {}
+    for f in fields(config):
+        if f.name in ("on_start", "on_finish"):
+            continue
+        value = getattr(config, f.name)
+        out[f.name] = str(value) if isinstance(value, Path) else value
+    return out
+
+
 def _summary(snap: Any, base_success: float, minutes: float, agent: dict[str, Any], regression: dict[str, Any],
              config: DemoConfig) -> dict[str, Any]:  # fmt: skip
     final = _stable_success(snap) or base_success
@@ -344,8 +355,7 @@ def _summary(snap: Any, base_success: float, minutes: float, agent: dict[str, An
         "rewards": snap.rewards,
         "samples": snap.samples,
         "stable": snap.stable["policy_version"] if snap.stable else None,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()
-                   if k not in ("on_start", "on_finish")},
+        "config": config_json(config),
         **regression,
     }
 
