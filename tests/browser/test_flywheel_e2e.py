@@ -23,7 +23,7 @@ from flywheel.stack import endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]  # budget + stack start + teardown
 
 BUDGET_MINUTES = 20.0
 """Longest the learning phase may run before the test fails (it ends at the first promotion,
