@@ -32,11 +32,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import ValidationError
 from pydantic_core import from_json
 
 from flywheel.config import Settings
-from flywheel.contracts.events import EVENT_ADAPTER, ContractError, Event, Feedback, parse_event
+from flywheel.contracts.events import ContractError, Event, Feedback, parse_event, parse_event_fast
 from flywheel.contracts.ids import uuid7_time_ms
 from flywheel.contracts.topics import dead_letter_topic, events_topic
 from ingest import metrics
@@ -159,24 +158,9 @@ def classify(record: RecordLike) -> EventRow | UnattachedRow | DeadLetterRow:
     )
 
 
-FAST_PREFIX = '{"schema_version":1,'
-"""How every event serialized by :func:`~flywheel.contracts.dump_event` begins (the SDK's and the gateway's)."""
-
-
 def _parse_fast(text: str) -> Event | None:
-    """The event, validated straight from its JSON text; ``None`` if the careful path must decide.
-
-    Only for records that begin like :data:`FAST_PREFIX`, so the schema version is known to be
-    present and supported: then one pass of the contract's validator over the text is
-    equivalent to :func:`parse_event`'s checks, without building a dict first. Anything it
-    refuses goes through :func:`parse_event`, which words the reason.
-    """
-    if not text.startswith(FAST_PREFIX):
-        return None
-    try:
-        return EVENT_ADAPTER.validate_json(text)
-    except ValidationError:
-        return None
+    """:func:`~flywheel.contracts.events.parse_event_fast` (a seam for the test that compares both paths)."""
+    return parse_event_fast(text)
 
 
 def _contract_dead_letter(record: RecordLike, value: bytes, project: str | None) -> DeadLetterRow:

@@ -108,6 +108,11 @@ class RewardingApp:
         self._indexed_rebalance = -1
         self._next_evict = 0.0
         self._first_batch_pending = False
+        self._due_now = False
+        """Set by :meth:`apply_batch` when a session it changed is already due (its window closed)."""
+        self._finalizing = False
+        self._again = False
+        self._woken: asyncio.Task | None = None
         self.app = self._make_app(bootstrap)
         self.events = self.app.topic(
             topics.events, key_serializer="raw", value_serializer="raw", partitions=topics.partitions
@@ -178,6 +183,9 @@ class RewardingApp:
                 self._first_batch_pending = False
                 log.info(FIRST_EVENTS_LOG, time.time())
             self.apply_batch([(e.key, e.value, e.message.partition) for e in batch], time.time())
+            if self._due_now:
+                self._due_now = False
+                self.wake_finalizer()
             written = self.table.take_unwritten()
             acking.append(asyncio.ensure_future(self._ack_when_written(stream, batch, written)))
             while acking and (acking[0].done() or len(acking) > ACKS_IN_FLIGHT):
@@ -207,9 +215,10 @@ class RewardingApp:
         changed: set[Slot] = set()
         applied = duplicates = 0
         for key, value, partition in records:
-            event = self.parse(key, value, partition)
-            if event is None:
+            parsed = self.parse(key, value, partition)
+            if parsed is None:
                 continue
+            event, text = parsed
             slot = (key, event.project)
             state = states.get(slot)
             if state is None:
@@ -219,7 +228,7 @@ class RewardingApp:
                     touched[key] = bucket
                 state = self.load_state(key, event.project, bucket) or SessionState(event.project, event.session_id)
                 states[slot] = state
-            if state.add(event, arrived_at, self.windows, raw=value.decode("utf-8")):
+            if state.add(event, arrived_at, self.windows, raw=text):
                 self.cache.put(event)
                 changed.add(slot)
                 applied += 1
@@ -233,6 +242,7 @@ class RewardingApp:
             touched[key][project] = state.to_dict()
             if state.due_at is not None:
                 self.due_index[slot] = state.due_at
+                self._due_now = self._due_now or state.due_at <= arrived_at
         for key in {k for k, _ in changed}:
             self.table[key] = touched[key]
         return len(changed)
@@ -255,10 +265,15 @@ class RewardingApp:
         """
         return table.data.get(key)
 
-    def parse(self, key: bytes | None, value: bytes, partition: int) -> Event | None:
-        """The event of one record, or None (counted) when it is invalid or keyed to another session."""
+    def parse(self, key: bytes | None, value: bytes, partition: int) -> tuple[Event, str] | None:
+        """The event of one record and its JSON text, or None (counted) when it is invalid or keyed
+        to another session."""
         try:
-            event = parse_event(value)
+            text = value.decode("utf-8")
+            event = parse_event(text)
+        except UnicodeDecodeError:
+            metrics.EVENTS.labels("invalid").inc()
+            return None
         except ContractError:
             metrics.EVENTS.labels("invalid").inc()
             return None
@@ -271,7 +286,7 @@ class RewardingApp:
             return None
         if partition_of(key, self.topics.partitions) != partition:
             metrics.EVENTS.labels("partition_mismatch").inc()
-        return event
+        return event, text
 
     # ------------------------------------------------------------------ scoring
 
@@ -312,15 +327,49 @@ class RewardingApp:
                 break
         return picked
 
-    async def finalize_tick(self) -> None:
-        """The timer: score, store, publish and mark every due session, a chunk at a time.
+    def wake_finalizer(self) -> None:
+        """Run :meth:`finalize_tick` now, not at the next tick: a batch brought sessions already due.
 
-        A chunk is at most ``finalize_batch_max`` sessions; between chunks the event loop runs
-        the agent (and everything else), so a backlog neither waits for the next tick nor
-        holds the loop for long.
+        Sessions whose window closed before they arrived (a backlog, a window shorter than the
+        tick) are scored without waiting up to ``timer_interval_s``. An error ends the worker,
+        as it would from the timer.
         """
-        if not self.ready():
+        if self._woken is not None and not self._woken.done():
+            self._again = True
             return
+        self._woken = asyncio.ensure_future(self.finalize_tick())
+        self._woken.add_done_callback(self._woken_done)
+
+    def _woken_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            asyncio.ensure_future(self.app.crash(task.exception()))
+
+    async def finalize_tick(self) -> None:
+        """Score, store, publish and mark every due session, a chunk at a time.
+
+        Run by the timer every ``timer_interval_s`` and woken by the agent when a batch brings
+        sessions already due; one run at a time (a call during a run makes that run look
+        again when it is done). A chunk is at most ``finalize_batch_max`` sessions; between
+        chunks the event loop runs the agent (and everything else), so a backlog neither
+        waits for the next tick nor holds the loop for long.
+        """
+        if self._finalizing:
+            self._again = True
+            return
+        self._finalizing = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                if not await self._finalize_due():
+                    break  # Postgres is down: the next tick retries, not every batch that arrives
+        finally:
+            self._finalizing = False
+
+    async def _finalize_due(self) -> bool:
+        """One pass over the due sessions; False when Postgres could not be written."""
+        if not self.ready():
+            return True
         owned = self.owned()
         rebalance = self.app.rebalancing_count
         while True:
@@ -333,7 +382,7 @@ class RewardingApp:
                 # Postgres unreachable: nothing was marked, so these sessions stay due for the next tick.
                 metrics.STORE_ERRORS.inc()
                 log.warning("could not store %d rewards, retrying next tick: %s", len(due), err)
-                break
+                return False
             await asyncio.sleep(0)
             if not self.ready() or self.app.rebalancing_count != rebalance or self.owned() != owned:
                 break
@@ -343,6 +392,7 @@ class RewardingApp:
             self.evict(now, owned)
             await self.table.wait_written()
         await self.marks.wait_written()  # a lost mark only means a re-score, which the store finds covered
+        return True
 
     async def finalize(self, due: list[Due], owned: set[int]) -> None:
         """Score ``due`` sessions and record the results."""

@@ -474,6 +474,26 @@ def _field_and_reason(err: Any) -> dict[str, str]:
     return {"field": ".".join(parts), "reason": reason}
 
 
+FAST_PREFIX = '{"schema_version":1,'
+"""How every event serialized by :func:`dump_event` begins (the SDK's, the gateway's and ingest's)."""
+
+
+def parse_event_fast(text: str) -> Event | None:
+    """The event, validated straight from its JSON text; ``None`` if the careful path must decide.
+
+    Only for text that begins like :data:`FAST_PREFIX`, so the schema version is known to be
+    present and supported: then one pass of the contract's validator over the text (JSON
+    parsed in Rust, no dict built first: ~2x faster) is equivalent to :func:`parse_event`'s
+    checks. Anything it refuses goes through the careful path, which words the reason.
+    """
+    if not text.startswith(FAST_PREFIX) or '"schema_version"' in text[len(FAST_PREFIX) :]:
+        return None  # a second schema_version (a later duplicate key wins) could be `true`, which 1 accepts
+    try:
+        return EVENT_ADAPTER.validate_json(text)
+    except ValidationError:
+        return None
+
+
 def parse_event(data: bytes | str | dict[str, Any]) -> Event:
     """Validate one untrusted record into an event, or raise :class:`ContractError` naming the field."""
     if isinstance(data, (bytes, bytearray, memoryview)):
@@ -482,6 +502,9 @@ def parse_event(data: bytes | str | dict[str, Any]) -> Event:
         except UnicodeDecodeError as exc:
             raise ContractError("", f"not valid UTF-8 at byte {exc.start}") from None
     if isinstance(data, str):
+        event = parse_event_fast(data)
+        if event is not None:
+            return event
         try:
             data = json.loads(data)
         except (json.JSONDecodeError, RecursionError) as exc:

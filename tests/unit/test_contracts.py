@@ -215,3 +215,45 @@ def test_only_feedback_may_omit_the_session():
     required = {name: set(d.get("required", [])) for name, d in schema["$defs"].items() if "properties" in d}
     assert "session_id" not in required["Feedback"]
     assert all("session_id" in required[name] for name in ("Turn", "Completion", "Outcome", "SessionStart"))
+
+
+def _careful(text: str):
+    """parse_event without its fast path: the event, or the ContractError's (field, reason)."""
+    try:
+        return parse_event(json.loads(text))
+    except ContractError as exc:
+        return (exc.field, exc.reason)
+    except ValueError:
+        return "not JSON"
+
+
+def _either(text: str):
+    try:
+        return parse_event(text)
+    except ContractError as exc:
+        return (exc.field, exc.reason)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([dump_event(e).decode() for e in examples()]),
+    st.sampled_from(["schema_version", "type", "project", "session_id", "event_id", "occurred_at", "kind",
+                     "messages", "logprobs", "completion_token_ids", "value", "name", "role", "status"]),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.lists(st.integers(), max_size=2),
+)
+def test_the_fast_path_decides_exactly_as_the_careful_one(text, name, value):
+    """Text written by dump_event is validated straight from JSON (no dict first); any field
+    replaced by any value must give the same event, or the same field and reason, as the
+    careful path, which parses the JSON first."""
+    from flywheel.contracts.events import FAST_PREFIX
+
+    data = json.loads(text)
+    data[name] = value
+    mutated = FAST_PREFIX + json.dumps(data, separators=(",", ":"))[1:].replace('"schema_version":1,', "", 1)
+    if not mutated.startswith(FAST_PREFIX):  # pragma: no cover - the prefix is always rebuilt
+        return
+    expected = _careful(mutated)
+    if expected == "not JSON":
+        return
+    assert _either(mutated) == expected
