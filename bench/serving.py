@@ -10,9 +10,12 @@ uvicorn with uvloop/httptools), exactly as it runs in production.
    (replica 1 is ``draining`` in the routing table, so the router sends it nothing),
    in alternating rounds so that drift in the machine's load hits both paths alike.
    Reported: throughput of each, their ratio, p50/p99 latency of each, the p50 the
-   router adds, the router process's CPU per request (its ``process_cpu_seconds_total``;
-   on a small shared machine the router's CPU is taken from vLLM, which is what lowers
-   the ratio there), and the same added p50 at concurrency 1.
+   router adds, the router process's CPU per request (its ``process_cpu_seconds_total``),
+   and the same added p50 at concurrency 1. The phase runs in a fixed CPU layout
+   (:class:`CpuLayout`, ``--layout fixed``): replica 0, all its processes, on the first
+   half of the cores; the load generator and the router on the other half, for both
+   paths. On a small shared machine the router's CPU is otherwise taken from vLLM at the
+   scheduler's whim, and the figure with it (``--layout shared`` measures that).
 2. **Rolling swaps.** Both replicas serving; the same constant load through the router
    while ``--swaps`` rolling swaps (:func:`serving.swap.rolling_swap`, one replica at a
    time) alternate the fleet between two checkpoints (the base and a copy of its folder).
@@ -267,6 +270,86 @@ def _summary(name: str, r: LoadResult) -> dict[str, float]:
     }
 
 
+# -- CPU layout ------------------------------------------------------------------------------
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+class CpuLayout:
+    """A fixed placement for phase 1: the measured replica on its own cores, clients on the rest.
+
+    Every thread of replica 0 (API server, engine core, worker) goes to the first half of the
+    usable cores; the load generator (this process) and the router to the other half, the
+    same for both paths. The router then never takes CPU from the replica it is measured
+    against, as in production, where the ingress runs on its own cores; on a shared 2-core
+    machine the figure otherwise depends on where the scheduler happens to put the router
+    (two runs of the same code: 3.2 and 21.6 ms added p50). The previous affinity of every
+    thread is restored on exit. Fewer than two usable cores: no layout (``shared``).
+    """
+
+    def __init__(self, replica_pid: int, router_pid: int):
+        cores = sorted(os.sched_getaffinity(0))
+        self.enabled = len(cores) >= 2
+        self.replica_cores = set(cores[: len(cores) // 2])
+        self.client_cores = set(cores[len(cores) // 2 :])
+        self.replica_pid, self.router_pid = replica_pid, router_pid
+        self._saved: dict[int, set[int]] = {}
+
+    def _pin(self, tids: list[int], cores: set[int]) -> None:
+        for tid in tids:
+            try:
+                self._saved.setdefault(tid, os.sched_getaffinity(tid))
+                os.sched_setaffinity(tid, cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+    def __enter__(self) -> "CpuLayout":
+        if self.enabled:
+            for pid in _process_tree(self.replica_pid):
+                self._pin(_threads(pid), self.replica_cores)
+            for pid in _process_tree(self.router_pid):
+                self._pin(_threads(pid), self.client_cores)
+            self._pin(_threads(os.getpid()), self.client_cores)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for tid, cores in self._saved.items():
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:
+                pass
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "shared"
+        return f"replica0 cores {sorted(self.replica_cores)}, load generator and router cores {sorted(self.client_cores)}"
+
+
 # -- phases ----------------------------------------------------------------------------------
 
 
@@ -310,7 +393,7 @@ def router_vs_direct(direct_url: str, router_url: str, model: str, args: argpars
     if direct.failures or routed.failures:
         out["phase1_failure_examples"] = (direct.failures + routed.failures)[:5]
     if args.c1_seconds > 0:
-        d1, r1, _ = alternate(direct_url, router_url, model, 1, args.max_tokens, args.c1_seconds, 2)
+        d1, r1, _ = alternate(direct_url, router_url, model, 1, args.max_tokens, args.c1_seconds, args.c1_rounds)
         out["c1_direct_p50_ms"] = percentile(d1.latencies_ms, 0.5)
         out["c1_router_p50_ms"] = percentile(r1.latencies_ms, 0.5)
         out["c1_router_added_p50_ms"] = out["c1_router_p50_ms"] - out["c1_direct_p50_ms"]
@@ -368,10 +451,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of one round per path")
-    parser.add_argument("--rounds", type=int, default=4, help="alternating direct/router rounds")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of one round per path")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="alternating direct/router rounds (many short ones: the machine's drift hits both alike)")
     parser.add_argument("--swaps", type=int, default=20)
     parser.add_argument("--c1-seconds", type=float, default=5.0, help="round length at concurrency 1 (0: skip)")
+    parser.add_argument("--c1-rounds", type=int, default=4, help="alternating rounds at concurrency 1")
+    parser.add_argument("--layout", choices=["fixed", "shared"], default="fixed",
+                        help="phase 1 CPU placement: fixed (replica 0 apart from the clients and router) or shared")
     args = parser.parse_args()
 
     from flywheel.db.engine import get_engine
@@ -403,7 +490,13 @@ def main() -> None:
         _wait_routable(router_url, {urls[0]})
         print(f"replicas {urls}, router {router_url}, database {db_url.rsplit('/', 1)[-1]}", flush=True)
 
-        result.update(router_vs_direct(urls[0], router_url, base, args))
+        layout = CpuLayout(records[0].pid, router.pid) if args.layout == "fixed" else None
+        result["cpu_layout"] = layout.describe() if layout else "shared"
+        if layout is not None:
+            with layout:
+                result.update(router_vs_direct(urls[0], router_url, base, args))
+        else:
+            result.update(router_vs_direct(urls[0], router_url, base, args))
         print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
 
         _set_state(engine, urls[1], "serving")
