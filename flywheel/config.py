@@ -616,6 +616,10 @@ class RewardingSettings(BaseModel):
     """Longest gap between polls before the broker drops the worker from its group."""
     commit_interval_s: float = Field(1.0, gt=0.0, le=60.0)
     """Offset commit interval."""
+    rebalance_watchdog_s: float = Field(300.0, ge=0.0, le=86400.0)
+    """A worker that stays in a rebalance (not recovering a table) this long exits (code 75)
+    for its supervisor to restart it; 0 disables. The soak once left a CPU-starved worker
+    wedged after its partitions were revoked, never rejoining its group."""
     fetch_max_wait_s: float = Field(0.1, gt=0.0, le=30.0)
     """Longest a fetch waits for new records (faust's fixed 1.5 s delays every record that long on Tansu)."""
     event_cache_size: int = Field(200_000, ge=0, le=100_000_000)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,8 @@ PRODUCER_BUFFER_MESSAGES = 2000
 """Table changelog records buffered before faust pauses consuming (its default, 100, stalls every batch)."""
 ACKS_IN_FLIGHT = 4
 """Batches applied whose changelog records the broker has not yet acknowledged (each is acked after)."""
+WATCHDOG_EXIT = 75
+"""Exit code of a worker that ends itself after a wedged rebalance (EX_TEMPFAIL: restart it)."""
 EVICT_EVERY_S = 30.0
 """How often a worker scans its table for states past their retention."""
 HOLDING_LOG = "holding events partitions %s (generation %s), tables recovered: fetching from t=%.6f cpu=%.3f"
@@ -126,6 +129,9 @@ class RewardingApp:
         self.app.agent(self.events, name="rewarding.consume")(self.consume)
         self.app.on_rebalance_complete.connect(self.on_assigned)
         self.app.timer(self.conf.timer_interval_s, name="rewarding.finalize")(self.finalize_tick)
+        self._rebalancing_since: float | None = None
+        if self.conf.rebalance_watchdog_s > 0:
+            self.app.timer(min(5.0, self.conf.rebalance_watchdog_s / 4), name="rewarding.watchdog")(self.watchdog)
         if self.conf.metrics_port is not None:
             self.app.timer(self.conf.detectors.refresh_s, name="rewarding.detectors")(self.refresh_detectors)
 
@@ -389,7 +395,7 @@ class RewardingApp:
         now = time.time()
         if now >= self._next_evict:
             self._next_evict = now + EVICT_EVERY_S
-            self.evict(now, owned)
+            await self.evict(now, owned)
             await self.table.wait_written()
         await self.marks.wait_written()  # a lost mark only means a re-score, which the store finds covered
         return True
@@ -471,20 +477,30 @@ class RewardingApp:
         else:
             self.due_index[due.slot] = state.due_at
 
-    def evict(self, now: float, owned: set[int]) -> None:
-        """Drop scored states whose last event is older than the retention (at most a batch per tick)."""
+    async def evict(self, now: float, owned: set[int]) -> int:
+        """Drop every scored state whose last event is older than the retention; how many.
+
+        One pass over the whole table, in chunks of ``finalize_batch_max`` keys with the event
+        loop run between them (each key is read again when its turn comes, so a session that
+        took an event meanwhile is kept). A pass used to stop after ``finalize_batch_max``
+        states every ``EVICT_EVERY_S``: ~17 states/s, fewer than a busy worker creates, so the
+        table grew without bound (found by the soak).
+        """
         horizon = now - self.conf.state_retention_s
         dropped = 0
-        for key, bucket in list(self.table.items()):
-            if dropped >= self.conf.finalize_batch_max:
-                break
+        for i, key in enumerate(list(self.table.keys())):
+            if i and i % self.conf.finalize_batch_max == 0:
+                await asyncio.sleep(0)
+                if not self.ready() or self.owned() != owned:
+                    break
+            bucket = self.stored(self.table, key)
             if not bucket or partition_of(key, self.topics.partitions) not in owned:
                 continue
             stale = [p for p in bucket if self._expired(key, p, bucket, horizon)]
             if not stale:
                 continue
             kept = {p: d for p, d in bucket.items() if p not in stale}
-            marks = {p: m for p, m in (self.marks.get(key) or {}).items() if p not in stale}
+            marks = {p: m for p, m in (self.stored(self.marks, key) or {}).items() if p not in stale}
             if kept:
                 self.table[key] = kept
                 self.marks[key] = marks
@@ -495,10 +511,33 @@ class RewardingApp:
             dropped += len(stale)
             metrics.EVICTED.inc(len(stale))
         metrics.OPEN_SESSIONS.set(len(self.table))
+        return dropped
 
     def _expired(self, key: bytes, project: str, bucket: dict[str, Any], horizon: float) -> bool:
         state = self.load_state(key, project, bucket)
         return state is not None and state.pending_since is None and state.last_arrival < horizon
+
+    async def watchdog(self) -> None:
+        """Exit (code :data:`WATCHDOG_EXIT`) when the worker has been rebalancing, not recovering,
+        for ``rebalance_watchdog_s``: a wedged rebalance never ends by itself, a restart ends it.
+
+        Safe at any moment: nothing is committed before it is written (see the module doc),
+        so a restarted worker re-reads what was in flight and the store finds it covered.
+        """
+        if stuck_for := self.rebalance_stuck_for(time.monotonic()):
+            log.critical("rebalancing for %.0f s without recovering a table: exiting for a restart", stuck_for)
+            logging.shutdown()
+            os._exit(WATCHDOG_EXIT)
+
+    def rebalance_stuck_for(self, now: float) -> float | None:
+        """Seconds the worker has been rebalancing (not in recovery) once past the watchdog's limit, else None."""
+        if not self.app.rebalancing or self.app.in_recovery:
+            self._rebalancing_since = None
+            return None
+        if self._rebalancing_since is None:
+            self._rebalancing_since = now
+        stuck = now - self._rebalancing_since
+        return stuck if stuck >= self.conf.rebalance_watchdog_s else None
 
     async def refresh_detectors(self) -> None:
         """The timer that refreshes the detector gauges from Postgres."""

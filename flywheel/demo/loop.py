@@ -89,6 +89,9 @@ class DemoConfig:
     """Seed of the agent's problem choice and users."""
     database: str = DEMO_DATABASE
     """Database the demo migrates afresh (dropped first, kept afterwards for inspection)."""
+    service_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Settings the services get on top of the demo's own, by section, e.g.
+    ``{"rewarding": {"state_retention_s": 120}}`` (the soak's)."""
     on_start: Callable[[Any, Settings, Any], None] | None = None
     """Called with (engine, settings, service group) once the services and the agent run."""
     on_finish: Callable[[Any, Settings, dict[str, Any]], None] | None = None
@@ -97,6 +100,20 @@ class DemoConfig:
 
 def service_overrides(config: DemoConfig, settings: Settings, db_url: str) -> dict[str, dict[str, Any]]:
     """The settings every service of the demo gets through its environment."""
+    own = _own_overrides(config, settings, db_url)
+    for section, values in config.service_settings.items():
+        own[section] = _merged(own.get(section, {}), values)
+    return own
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _own_overrides(config: DemoConfig, settings: Settings, db_url: str) -> dict[str, dict[str, Any]]:
     return {
         "postgres": {"url": db_url},
         "trainer": {
@@ -193,8 +210,8 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
                 live.update(render(snap, agent.stats.snapshot(), elapsed, budget_s))
                 if _reached(snap, base_success, config) or elapsed > budget_s:
                     break
-                if dead := group.dead():
-                    raise RuntimeError(f"service(s) died: {', '.join(dead)}; see {group[dead[0]].log_path}")
+                if revived := group.revive():  # like compose's restart policy; a crash loop raises
+                    console.print(f"[yellow]restarted {', '.join(revived)}: it died (see its log)[/]")
                 time.sleep(2.0)
         learn_minutes = (time.monotonic() - learn_started) / 60
         regression: dict[str, Any] = {}
@@ -204,6 +221,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         fw.flush(60)
         final = snapshot(engine, settings.serving.fleet, with_decisions=True)
         summary = _summary(final, base_success, learn_minutes, agent.stats.snapshot(), regression, config)
+        summary["service_restarts"] = {s.name: s.restarts for s in group if s.restarts}
         paths = write_report(Path(config.report_dir), final, summary)
         summary["report"] = {k: str(v) for k, v in paths.items()}
         console.print(_summary_table(final, summary))
@@ -319,8 +337,7 @@ def _inject_regression(engine: Any, settings: Settings, config: DemoConfig, agen
             return {"regression_checkpoint": checkpoint_id, "regression_status": row[0],
                     "regression_rolled_back": row[0] == "rolled_back", "regression_rollback_sessions": int(sessions),
                     "regression_seconds": round(time.monotonic() - started, 1)}  # fmt: skip
-        if dead := group.dead():
-            raise RuntimeError(f"service(s) died: {', '.join(dead)}")
+        group.revive()
         time.sleep(2.0)
     return {"regression_checkpoint": checkpoint_id, "regression_status": "still canary",
             "regression_rolled_back": False, "regression_rollback_sessions": None}  # fmt: skip

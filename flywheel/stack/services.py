@@ -18,6 +18,7 @@ that :func:`settings_env` flattens into ``FLYWHEEL_<SECTION>__<FIELD>`` variable
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -38,6 +39,9 @@ from flywheel.stack.base import (
     spawn,
     terminate_group,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,23 @@ class ServiceGroup:
     def dead(self) -> list[str]:
         """Services that were started and are no longer running."""
         return [s.name for s in self if s.pid is not None and not s.alive]
+
+    def revive(self, max_restarts: int = 3) -> list[str]:
+        """Start again every dead service (a supervisor's restart policy); the names restarted.
+
+        Raises :class:`RuntimeError` for a service that has died more than ``max_restarts``
+        times: a crash loop is a failure, not something to hide.
+        """
+        revived = []
+        for name in self.dead():
+            service = self[name]
+            if service.restarts >= max_restarts:
+                raise RuntimeError(f"service {name} died {service.restarts + 1} times; see {service.log_path}")
+            log.warning("service %s (pid %s) died; restarting it: %s", name, service.pid, service.tail(3))
+            reap(service.pid)
+            service.start()
+            revived.append(name)
+        return revived
 
     def __enter__(self) -> ServiceGroup:
         self.start()

@@ -22,3 +22,64 @@ def test_worker_app_uses_the_changelog_and_fetch_hooks(tmp_path) -> None:
     consumer = worker.app.consumer
     assert isinstance(consumer._thread, ConsumerThread)
     assert consumer.transport.fetch_max_wait_ms == 50
+
+
+def test_eviction_drops_every_stale_state_in_one_pass(tmp_path, monkeypatch) -> None:
+    """More stale states than one chunk: all go in one pass; pending or recent ones stay."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from rewarding.session_state import SessionState
+
+    settings = Settings(run_dir=tmp_path)
+    settings.rewarding.state_retention_s = 60.0
+    settings.rewarding.finalize_batch_max = 7
+    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
+    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
+                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    sent: list[tuple[bytes, object]] = []
+    def send(self, partition, key, value, *args, **kwargs):  # what the broker would get
+        sent.append((key, value))
+        return SimpleNamespace(message=SimpleNamespace(partition=0))
+
+    monkeypatch.setattr(ChangelogTable, "send_changelog", send)
+    monkeypatch.setattr(worker, "ready", lambda: True)
+    monkeypatch.setattr(worker, "owned", lambda: {0, 1})
+    now = time.time()
+
+    def put(sid: str, *, last_arrival: float, pending: bool) -> None:
+        state = SessionState("p", sid, last_arrival=last_arrival, pending_since=last_arrival if pending else None)
+        worker.table.data[sid.encode()] = {"p": state.to_dict()}
+
+    for i in range(30):
+        put(f"old-{i}", last_arrival=now - 120, pending=False)
+    put("recent", last_arrival=now - 5, pending=False)
+    put("old-but-pending", last_arrival=now - 120, pending=True)
+
+    dropped = asyncio.run(worker.evict(now, {0, 1}))
+
+    assert dropped == 30
+    assert sorted(worker.table.data.keys()) == [b"old-but-pending", b"recent"]
+    assert sorted(k for k, v in sent if v is None) == sorted(f"old-{i}".encode() for i in range(30))  # tombstones
+
+
+def test_the_watchdog_counts_a_rebalance_but_not_a_recovery(tmp_path, monkeypatch) -> None:
+    settings = Settings(run_dir=tmp_path)
+    settings.rewarding.rebalance_watchdog_s = 60.0
+    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
+    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
+                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    recovering = {"now": False}
+    monkeypatch.setattr(type(worker.app), "in_recovery", property(lambda self: recovering["now"]))
+    assert worker.rebalance_stuck_for(1000.0) is None  # not rebalancing
+    worker.app.rebalancing = True
+    assert worker.rebalance_stuck_for(1000.0) is None  # the clock starts
+    assert worker.rebalance_stuck_for(1059.0) is None
+    assert worker.rebalance_stuck_for(1061.0) == 61.0  # past the limit: the timer exits
+    recovering["now"] = True
+    assert worker.rebalance_stuck_for(1100.0) is None  # recovering a table is progress: the clock resets
+    recovering["now"] = False
+    assert worker.rebalance_stuck_for(1101.0) is None and worker.rebalance_stuck_for(1160.0) is None
+    worker.app.rebalancing = False
+    assert worker.rebalance_stuck_for(2000.0) is None
