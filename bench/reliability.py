@@ -13,18 +13,27 @@
    liveness probes are public: ``/health``, ``/healthz``).
 3. **Soak** (``--soak-minutes``, 10 by default; 0 skips it). The demo's whole loop runs
    (agent traffic through the router, rewarding, training, canaries) while a second SDK
-   client logs ~1 KB events at ``--rate`` per second (by default half the end-to-end rate
-   that ``make bench-ingest`` measured here, 7,279/s). Every 15 s it samples each
-   service's resident memory (its whole process group) and the ingest consumer group's
-   lag on the events topic. At the end every soak event must be in Postgres exactly once,
-   except those the SDK itself dropped and counted (``soak_sdk_dropped``: its queue and its
-   disk spool were both full, which it logs); ``soak_events_lost`` counts the rest that are
-   missing, a silent loss, which must be 0. On this two-core machine the whole loop (two
-   busy vLLM replicas and the trainer) leaves too little CPU for the soak client's sender at
-   3,640 events/s: its spool filled and it dropped events (counted) within minutes; the
-   figures in the closing notes say which ``--rate`` a run used.
-   Memory growth compares each service's peak in the last third with its peak in the
-   second third (the first third is warm-up: models load, caches fill).
+   client, in its own process, logs sessions that end (start, a ~850-character user turn,
+   an outcome, end) at ``--rate`` events per second (by default half the end-to-end rate
+   that ``make bench-ingest`` measured here, 7,279/s). The rewarding workers keep scored
+   states for ``SOAK_RETENTION_S`` (120 s) instead of 7 days, so that their memory reaches
+   its steady state (rate x retention) inside the soak. Every 15 s it samples each
+   service's resident memory (its whole process tree) and two backlogs: soak events sent
+   but not yet in Postgres (ingest) and soak sessions sent but without a reward yet
+   (rewarding), counted from the client's progress and Postgres (Tansu's end offsets are
+   not the end of the log, so Kafka consumer lag means nothing on it). At the end every
+   soak event must be in Postgres exactly once, except those the SDK itself dropped and counted
+   (``soak_sdk_dropped``: its queue and its disk spool were both full, which it logs);
+   ``soak_events_lost`` counts the rest that are missing, a silent loss, which must be 0;
+   and every soak session must have a reward. Memory growth compares each service's peak
+   in the last third with its peak in the second third (the first third is warm-up:
+   models load, caches fill); a backlog is bounded when its peak in the last third is
+   at most 1.25 x its peak in the middle third + 1,000. ``soak_ok`` is all of it.
+   On this two-core machine the whole loop (two busy vLLM replicas and the trainer) leaves
+   far less than half of bench-ingest's rate to the rest: the rewarding workers alone
+   score ~450-670 sessions/s with the machine to themselves (``make bench-rewarding``),
+   and half of bench-ingest's rate is ~910 sessions/s. The closing notes say which
+   ``--rate`` a run used.
 
 Last line: one JSON object (``scenarios``, ``scenarios_passed``, ``events_sent``,
 ``events_lost``, ``events_duplicated``, ``bad_inputs_tried``, ``server_errors``,
@@ -158,47 +167,71 @@ def unauthenticated_routes() -> dict[str, Any]:
 # --------------------------------------------------------------------------- 3. soak
 
 
-class Soak:
-    """Extra SDK traffic, memory and lag sampling, while the demo's loop runs (its on_start/on_finish hooks)."""
+SOAK_EVENTS_PER_SESSION = 4
+"""start, a user turn (~850 characters), an outcome, end: sessions that end, get scored and leave."""
+SOAK_RETENTION_S = 120.0
+"""The rewarding workers' ``state_retention_s`` in the soak (7 days by default): memory holds
+rate x retention states, so only a retention shorter than the soak shows a steady state."""
 
-    def __init__(self, rate: float, interval_s: float = 15.0):
-        self.rate, self.interval_s = rate, interval_s
+
+def soak_client(bootstrap: str, prefix: str, project: str, rate: float, out: Path, spool: Path) -> None:
+    """The soak's SDK client, in its own process (``--soak-client``): ended sessions at ``rate``
+    events/s until SIGTERM, then flush, close and write what was sent and dropped to ``out``."""
+    import signal
+
+    from flywheel.sdk import Flywheel
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=bootstrap, topic_prefix=prefix, spool_dir=spool)
+    text = ("lorem ipsum dolor sit amet " * 40)[:850]
+    started, sent, n = time.monotonic(), 0, 0
+    progress, next_progress = out.with_name("soak-progress.json"), 0.0
+    while not stop.is_set():
+        if time.monotonic() >= next_progress:  # what was sent so far, for the sampler's backlog figures
+            next_progress = time.monotonic() + 1.0
+            progress.with_suffix(".tmp").write_text(json.dumps({"sent": sent, "sessions": n}))
+            progress.with_suffix(".tmp").replace(progress)
+        due = int((time.monotonic() - started) * rate)
+        while sent + SOAK_EVENTS_PER_SESSION <= due and not stop.is_set():
+            session = fw.session(f"soak-{n}", user_id=f"user-{n % 50}", task="soak")
+            session.turn([{"role": "user", "content": text}])
+            session.outcome("task_solved", n % 2 == 0)
+            session.end()
+            sent, n = sent + SOAK_EVENTS_PER_SESSION, n + 1
+        time.sleep(0.005)
+    seconds = time.monotonic() - started
+    fw.flush(120)
+    fw.close(30)
+    out.write_text(json.dumps({"sent": sent, "sessions": n, "dropped": fw.stats.dropped, "seconds": seconds}))
+
+
+class Soak:
+    """The soak client (its own process), memory and lag sampling, while the demo's loop runs
+    (its on_start/on_finish hooks)."""
+
+    def __init__(self, rate: float, work: Path, interval_s: float = 15.0):
+        self.rate, self.work, self.interval_s = rate, work, interval_s
         self.stop = threading.Event()
         self.samples: list[dict[str, Any]] = []
-        self.sent = 0
         self.project = f"soak-{uuid.uuid4().hex[:6]}"
         self.result: dict[str, Any] = {}
         self.errors: list[str] = []
+        self.client: subprocess.Popen[bytes] | None = None
 
     def on_start(self, engine: Any, settings: Any, group: Any) -> None:
-        from flywheel.sdk import Flywheel
         from flywheel.stack.endpoints import kafka_bootstrap
 
-        self.fw = Flywheel(project=self.project, transport="kafka", kafka_bootstrap=kafka_bootstrap(settings),
-                           topic_prefix=settings.kafka.topic_prefix,
-                           spool_dir=Path(settings.run_dir) / "soak-spool")  # fmt: skip
-        self.threads = [
-            threading.Thread(target=self._traffic, name="soak-traffic", daemon=True),
-            threading.Thread(target=self._sample, args=(settings, group), name="soak-sampler", daemon=True),
-        ]
-        for t in self.threads:
-            t.start()
+        args = [kafka_bootstrap(settings), settings.kafka.topic_prefix, self.project, str(self.rate),
+                str(self.work / "soak-client.json"), str(Path(settings.run_dir) / "soak-spool")]  # fmt: skip
+        with open(self.work / "soak-client.log", "ab") as log:
+            self.client = subprocess.Popen([sys.executable, __file__, "--soak-client", *args], cwd=ROOT,
+                                           stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.sampler = threading.Thread(target=self._sample, args=(settings, group, engine), name="soak-sampler",
+                                        daemon=True)  # fmt: skip
+        self.sampler.start()
 
-    def _traffic(self) -> None:
-        text = ("lorem ipsum dolor sit amet " * 40)[:850]
-        started, sessions = time.monotonic(), {}
-        while not self.stop.is_set():
-            due = int((time.monotonic() - started) * self.rate)
-            while self.sent < due and not self.stop.is_set():
-                sid = f"soak-{self.sent % 200}"
-                if sid not in sessions:
-                    sessions[sid] = self.fw.session(sid, user_id="soak")
-                    self.sent += 1
-                sessions[sid].turn([{"role": "user", "content": text}])
-                self.sent += 1
-            time.sleep(0.01)
-
-    def _sample(self, settings: Any, group: Any) -> None:
+    def _sample(self, settings: Any, group: Any, engine: Any) -> None:
         import psutil
 
         started = time.monotonic()
@@ -210,53 +243,60 @@ class Soak:
                     rss[service.name] = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
                 except (psutil.Error, TypeError) as err:
                     self.errors.append(f"{service.name}: {err!r}")
-            self.samples.append({"t": round(time.monotonic() - started, 1), "rss": rss, "lag": _ingest_lag(settings),
-                                 "sent": self.sent})  # fmt: skip
+            self.samples.append({"t": round(time.monotonic() - started, 1), "rss": rss, "lag": self._backlog(engine)})
+
+    def _backlog(self, engine: Any) -> dict[str, int | None]:
+        """End-to-end backlogs: soak events sent but not yet in Postgres (ingest), soak sessions
+        sent but without a reward yet (rewarding; the 3 s feedback window is part of it).
+
+        Counted from the client's progress file and Postgres, not from Kafka: Tansu answers
+        ListOffsets(latest) with 1 + the last batch's base offset, not the end of the log
+        (measured: 31 records in a partition, end offset 1), so consumer-group lag read from
+        it means nothing here.
+        """
+        from sqlalchemy import text
+
+        try:
+            progress = json.loads((self.work / "soak-progress.json").read_text())
+            with engine.connect() as conn:
+                stored = conn.execute(text("SELECT count(*) FROM raw_events WHERE project = :p"), {"p": self.project}).scalar_one()
+                scored = conn.execute(
+                    text("SELECT count(DISTINCT session_id) FROM rewards WHERE project = :p"), {"p": self.project}
+                ).scalar_one()
+        except Exception as err:  # noqa: BLE001 - a sample without figures, said why
+            self.errors.append(f"backlog: {err!r}")
+            return {"ingest": None, "rewarding": None}
+        return {"ingest": progress["sent"] - stored, "rewarding": progress["sessions"] - scored}
 
     def on_finish(self, engine: Any, settings: Any, summary: dict[str, Any]) -> None:
         from sqlalchemy import text
 
         self.stop.set()
-        for t in self.threads:
-            t.join(30)
-        self.fw.flush(120)
-        self.fw.close(30)
+        self.sampler.join(60)
+        assert self.client is not None
+        self.client.terminate()
+        self.client.wait(300)
+        client = json.loads((self.work / "soak-client.json").read_text())
+        sent, dropped = client["sent"], client["dropped"]
         deadline = time.monotonic() + 300
-        stored = distinct = 0
-        while time.monotonic() < deadline:
+        stored = distinct = scored = 0
+        while time.monotonic() < deadline:  # the backlog, if any, drains; then every session is scored
             with engine.connect() as conn:
                 stored, distinct = conn.execute(
                     text("SELECT count(*), count(DISTINCT event_id) FROM raw_events WHERE project = :p"), {"p": self.project}
                 ).one()
-            if distinct >= self.sent - self.fw.stats.dropped:
+                scored = conn.execute(
+                    text("SELECT count(DISTINCT session_id) FROM rewards WHERE project = :p"), {"p": self.project}
+                ).scalar_one()
+            if distinct >= sent - dropped and scored >= client["sessions"]:
                 break
             time.sleep(2.0)
-        dropped = self.fw.stats.dropped  # the SDK's counted, logged drop when queue and spool are full
-        self.result = {"soak_events_sent": self.sent, "soak_sdk_dropped": dropped,
-                       "soak_events_lost": self.sent - dropped - distinct,  # lost without being counted: must be 0
+        self.result = {"soak_events_sent": sent, "soak_events_per_s_sent": round(sent / client["seconds"], 1),
+                       "soak_sessions_sent": client["sessions"], "soak_sessions_scored": scored,
+                       "soak_sdk_dropped": dropped,  # the SDK's counted, logged drop when queue and spool are full
+                       "soak_events_lost": sent - dropped - distinct,  # lost without being counted: must be 0
                        "soak_events_duplicated": stored - distinct, **_growth(self.samples),
                        "soak_sampling_errors": self.errors[:5]}  # fmt: skip
-
-
-def _ingest_lag(settings: Any) -> int | None:
-    """Records on the events topic the ingest consumer group has not committed yet."""
-    from kafka import KafkaAdminClient, KafkaConsumer
-
-    from flywheel.contracts.topics import events_topic
-    from flywheel.stack.endpoints import kafka_bootstrap
-
-    bootstrap = kafka_bootstrap(settings)
-    try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-        committed = admin.list_consumer_group_offsets(settings.ingest.group_id)
-        admin.close()
-        consumer = KafkaConsumer(bootstrap_servers=bootstrap)
-        topic = events_topic(settings.kafka.topic_prefix)
-        ends = consumer.end_offsets([tp for tp in committed if tp.topic == topic])
-        consumer.close()
-    except Exception:  # the broker is busy: this sample has no lag figure
-        return None
-    return int(sum(end - committed[tp].offset for tp, end in ends.items()))
 
 
 def _growth(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -270,15 +310,24 @@ def _growth(samples: list[dict[str, Any]]) -> dict[str, Any]:
         before = max(s["rss"].get(name, 0) for s in middle)
         after = max(s["rss"].get(name, 0) for s in last)
         growth[name] = round(100.0 * (after - before) / before, 1) if before else None
-    lags = [s["lag"] for s in samples if s["lag"] is not None]
+    lag: dict[str, dict[str, Any]] = {}
+    for group in samples[-1]["lag"]:
+        def peak(part: list[dict[str, Any]], g: str = group) -> int | None:
+            return max((s["lag"][g] for s in part if s["lag"].get(g) is not None), default=None)
+
+        mid, end = peak(middle), peak(last)
+        lag[group] = {"max": peak(samples), "middle_third_max": mid, "last_third_max": end,
+                      "end": samples[-1]["lag"].get(group),
+                      # bounded: the last third's peak no higher than the middle third's by more than
+                      # a quarter plus 1,000 (events or sessions: a sampling interval's burst)
+                      "bounded": mid is not None and end is not None and end <= 1.25 * mid + 1000}  # fmt: skip
     return {
         "soak_samples": len(samples),
         "soak_rss_growth_pct": growth,
         "soak_max_rss_growth_pct": max((g for g in growth.values() if g is not None), default=None),
         "soak_rss_mb_end": {k: round(v / 2**20) for k, v in samples[-1]["rss"].items()},
-        "soak_lag_max": max(lags, default=None),
-        "soak_lag_end": lags[-1] if lags else None,
-        "soak_lag_middle_max": max((s["lag"] for s in middle if s["lag"] is not None), default=None),
+        "soak_backlog": lag,
+        "soak_backlog_bounded": bool(lag) and all(v["bounded"] for v in lag.values()),
     }
 
 
@@ -286,14 +335,15 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
     from flywheel.config import Settings
     from flywheel.demo import DemoConfig, run_demo
 
-    soak = Soak(rate)
+    soak = Soak(rate, work)
     base = random.Random().randrange(21000, 30000, 100)
     settings = Settings(
         run_dir=work / "run", kafka={"local_port": base}, vllm={"base_port": base + 10, "replicas": 2},
         serving={"router_port": base + 20, "admin_port": base + 21},
     )  # fmt: skip
     config = DemoConfig(budget_minutes=minutes, target_gain_points=1000.0, target_promotions=1000, live=False,
-                        report_dir=work / "report", on_start=soak.on_start, on_finish=soak.on_finish)  # fmt: skip
+                        report_dir=work / "report", on_start=soak.on_start, on_finish=soak.on_finish,
+                        service_settings={"rewarding": {"state_retention_s": SOAK_RETENTION_S}})  # fmt: skip
     summary = run_demo(config, settings)
     out = {"soak_minutes": minutes, "soak_rate_per_s": rate, **soak.result,
            "soak_failed_requests": summary["failed_requests"], "soak_agent_sessions": summary["sessions"],
@@ -302,6 +352,7 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
     out["soak_ok"] = bool(
         out.get("soak_events_lost") == 0 and out.get("soak_events_duplicated") == 0
         and out.get("soak_sdk_dropped") == 0 and out["soak_failed_requests"] == 0 and growth is not None and growth < 10.0
+        and out.get("soak_backlog_bounded") and out.get("soak_sessions_scored") == out.get("soak_sessions_sent")
     )  # fmt: skip
     return out
 
@@ -311,7 +362,13 @@ def main() -> int:
     parser.add_argument("--soak-minutes", type=float, default=10.0, help="0 skips the soak")
     parser.add_argument("--rate", type=float, default=BENCH_INGEST_E2E_RATE / 2, help="soak events per second")
     parser.add_argument("--skip-scenarios", action="store_true")
+    parser.add_argument("--soak-client", nargs=6, metavar=("BOOTSTRAP", "PREFIX", "PROJECT", "RATE", "OUT", "SPOOL"),
+                        help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
+    if args.soak_client:
+        bootstrap, prefix, project, rate, out, spool = args.soak_client
+        soak_client(bootstrap, prefix, project, float(rate), Path(out), Path(spool))
+        return 0
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-reliability-"))
     figures: dict[str, Any] = {}
