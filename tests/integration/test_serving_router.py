@@ -278,10 +278,14 @@ def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
 
 
 def open_stream(router_url: str, model: str) -> tuple[Any, str, Iterator[Any]]:
-    """A long text stream (8 x 240 tokens) through the router, after its first chunk: (context, replica, rest)."""
+    """A long text stream (32 x 240 tokens) through the router, after its first chunk: (context, replica, rest).
+
+    Long enough to be still generating when the test kills its replica: with 8 x 240 tokens a
+    fast machine had finished one (and the router buffered it whole) before the kill landed.
+    """
     client = openai.OpenAI(api_key="unused", base_url=f"{router_url}/v1", max_retries=0)
     context = client.completions.with_streaming_response.create(
-        model=model, prompt="1", max_tokens=240, n=8, stream=True, extra_body={"ignore_eos": True}
+        model=model, prompt="1", max_tokens=240, n=32, stream=True, extra_body={"ignore_eos": True}
     )
     response = context.__enter__()
     chunks = iter(response.parse())
