@@ -273,31 +273,22 @@ def _summary(name: str, r: LoadResult) -> dict[str, float]:
 # -- CPU layout ------------------------------------------------------------------------------
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and every process descended from it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo += children.get(current, [])
-    return tree
+def _threads_of_tree(pid: int) -> list[int]:
+    """Thread ids of ``pid`` and every process descended from it."""
+    import psutil
 
-
-def _threads(pid: int) -> list[int]:
     try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
         return []
+    tids = []
+    for proc in procs:
+        try:
+            tids += [t.id for t in proc.threads()]
+        except psutil.Error:  # a process that ended meanwhile
+            pass
+    return tids
 
 
 class CpuLayout:
@@ -330,11 +321,11 @@ class CpuLayout:
 
     def __enter__(self) -> "CpuLayout":
         if self.enabled:
-            for pid in _process_tree(self.replica_pid):
-                self._pin(_threads(pid), self.replica_cores)
-            for pid in _process_tree(self.router_pid):
-                self._pin(_threads(pid), self.client_cores)
-            self._pin(_threads(os.getpid()), self.client_cores)
+            self._pin(_threads_of_tree(self.replica_pid), self.replica_cores)
+            self._pin(_threads_of_tree(self.router_pid), self.client_cores)
+            import psutil
+
+            self._pin([t.id for t in psutil.Process().threads()], self.client_cores)  # not our children
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -277,10 +277,7 @@ class RewardingApp:
         try:
             text = value.decode("utf-8")
             event = parse_event(text)
-        except UnicodeDecodeError:
-            metrics.EVENTS.labels("invalid").inc()
-            return None
-        except ContractError:
+        except (UnicodeDecodeError, ContractError):
             metrics.EVENTS.labels("invalid").inc()
             return None
         if event.session_id is None:  # feedback by completion id alone: ingest re-produces it attached

@@ -272,12 +272,7 @@ def _with_overrides(settings: Settings, overrides: dict[str, dict[str, Any]]) ->
     """``settings`` with the services' overrides applied (for the calls the demo makes itself)."""
     data = settings.model_dump()
     for section, values in overrides.items():
-        current = data.setdefault(section, {})
-        for key, value in values.items():
-            if isinstance(value, dict) and isinstance(current.get(key), dict):
-                current[key] = {**current[key], **value}
-            else:
-                current[key] = value
+        data[section] = _merged(data.get(section, {}), values)
     return Settings.model_validate(data)
 
 
