@@ -426,7 +426,7 @@ class GrmSettings(BaseModel):
     max_transcript_chars: int = Field(400, ge=16, le=1_000_000)
     """The transcript shown to the judge is cut to its last this many characters."""
     timeout_s: float = Field(30.0, gt=0.0, le=600.0)
-    """Timeout of one judge request."""
+    """Deadline of one judge request attempt, from sending it to the whole answer read (not per socket read)."""
     retries: int = Field(2, ge=0, le=10)
     """Retries of a request that timed out, failed to connect or got HTTP 429/5xx."""
     retry_backoff_s: float = Field(0.5, ge=0.0, le=60.0)

@@ -1,6 +1,7 @@
 """A small async client for an OpenAI-compatible judge endpoint (vLLM in production).
 
-Timeouts, retries with exponential backoff (on timeouts, connection errors, HTTP 429 and
+A deadline per attempt (``timeout_s`` bounds the whole request, not each socket operation:
+a judge that trickles its answer still times out), retries with exponential backoff (on timeouts, connection errors, HTTP 429 and
 5xx), a concurrency limit and an in-process LRU cache keyed by the content hash of the
 request (model, prompt, sampling, answer format), so the same question is asked once.
 """
@@ -118,7 +119,11 @@ class JudgeClient:
             try:
                 async with semaphore:
                     self.calls += 1
-                    response = await client.request(method, path, json=payload)
+                    async with asyncio.timeout(self.config.timeout_s):
+                        response = await client.request(method, path, json=payload)
+            except TimeoutError:
+                last = f"no answer within {self.config.timeout_s:g}s"
+                continue
             except (httpx.TimeoutException, httpx.TransportError) as err:
                 last = f"{type(err).__name__}: {err}"
                 continue

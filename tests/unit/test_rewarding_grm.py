@@ -70,6 +70,8 @@ class Judge:
 
     def __init__(self, answer: Callable[[dict, int], tuple[int, str, float]]):
         self.answer = answer
+        self.trickle_s = 0.0
+        """When set, the answer is written one byte at a time with this pause between bytes."""
         self.requests: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -103,7 +105,13 @@ class Judge:
                     self.send_response(status)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    self.wfile.write(data)
+                    if judge.trickle_s:
+                        for i in range(len(data)):
+                            self.wfile.write(data[i : i + 1])
+                            self.wfile.flush()
+                            time.sleep(judge.trickle_s)
+                    else:
+                        self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
@@ -164,6 +172,28 @@ def test_client_times_out_and_gives_up_after_its_retries(judge_factory) -> None:
     with pytest.raises(JudgeError) as err:
         asyncio.run(go())
     assert err.value.retryable and client.calls == 2
+
+
+def test_timeout_bounds_the_whole_request_not_each_read(judge_factory) -> None:
+    """A judge that keeps sending a byte every 20 ms never trips a per-read timeout of 0.3 s,
+    but it takes ~1.5 s to answer, so the deadline of 0.3 s per attempt must end each attempt."""
+    judge = judge_factory(lambda body, n: (200, "SCORE: 1", 0.0))
+    judge.trickle_s = 0.02
+    client = _client(judge.url, model="m", timeout_s=0.3, retries=1)
+
+    async def go():
+        try:
+            await client.complete("p", max_tokens=4, temperature=0.0, regex=None)
+        finally:
+            await client.aclose()
+
+    started = time.monotonic()
+    with pytest.raises(JudgeError) as err:
+        asyncio.run(go())
+    elapsed = time.monotonic() - started
+    assert err.value.retryable and client.calls == 2
+    assert "no answer within 0.3s" in str(err.value)
+    assert elapsed < 1.2, f"two attempts of 0.3 s took {elapsed:.2f}s"
 
 
 def test_client_respects_its_concurrency_limit(judge_factory) -> None:
