@@ -180,6 +180,66 @@ FAULT_REPORT_ENV = "FLYWHEEL_FAULT_REPORT"
 """When set, fault and bad-input tests append their figures to this JSON-lines file (bench/reliability.py)."""
 
 
+def refusal_says_why(error: object) -> bool:
+    """An error body with a reason: FastAPI's ``detail``, the admin API's ``error`` and ``reason``,
+    or the gateway's per-event ``rejected`` list, each entry with its ``reason``."""
+    if not isinstance(error, dict):
+        return False
+    if error.get("detail") or (error.get("error") and error.get("reason")):
+        return True
+    rejected = error.get("rejected")
+    return bool(rejected) and all(isinstance(r, dict) and r.get("reason") for r in rejected)
+
+
+def schemathesis_sweep(
+    schema, headers: dict[str, str], max_examples: int = 12, **call: object
+) -> tuple[dict[str, int], list[str], list[str]]:
+    """Every operation of a schemathesis ``schema``, with valid and with schema-violating input,
+    sent with ``headers`` (and ``call``, e.g. ``base_url``) and checked: no 5xx, invalid input
+    refused with a 4xx, the operation refusing the same call without credentials, and every
+    refusal a JSON body that says why (:func:`refusal_says_why`).
+
+    Returns (figures, failures, operations without any invalid input); a failing operation does
+    not stop the others, so one run reports every failure.
+    """
+    from hypothesis import HealthCheck, given
+    from hypothesis import settings as hypothesis_settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+    from schemathesis.checks import ignored_auth, negative_data_rejection, not_a_server_error
+
+    rejection = schema.config.checks.negative_data_rejection
+    rejection.expected_statuses = [*rejection.expected_statuses, "413"]  # too large is a refusal of bad input too
+    seen = {"tried": 0, "refused": 0, "server_errors": 0}
+    failures: list[str] = []
+    unnegatable: list[str] = []
+    for operation in [result.ok() for result in schema.get_all_operations()]:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @hypothesis_settings(max_examples=max_examples, deadline=None, derandomize=True,
+                                 suppress_health_check=list(HealthCheck))  # fmt: skip
+            @given(case=operation.as_strategy(generation_mode=mode, headers=headers))
+            def one(case) -> None:
+                response = case.call(headers=headers, **call)
+                seen["tried"] += 1
+                seen["server_errors"] += response.status_code >= 500
+                case.validate_response(response, checks=[not_a_server_error, negative_data_rejection, ignored_auth],
+                                       headers=headers, transport_kwargs=call or None)  # fmt: skip
+                if response.status_code >= 400:
+                    seen["refused"] += 1
+                    error = response.json()
+                    assert refusal_says_why(error), (case.method, case.path, response.status_code, error)
+
+            try:
+                one()
+            except Unsatisfiable:  # an operation without parameters or body has no invalid input
+                assert mode is GenerationMode.NEGATIVE, operation.path
+                unnegatable.append(operation.path)
+            except (Exception, BaseExceptionGroup) as err:
+                failures.append(f"{operation.method.upper()} {operation.path} [{mode.value}]: {err}")
+    return seen, failures, unnegatable
+
+
 @pytest.fixture
 def fault_figures(request: pytest.FixtureRequest) -> Callable[..., None]:
     """Record a fault scenario's figures for ``make bench-reliability``.

@@ -28,7 +28,7 @@ from flywheel.db.migrate import upgrade
 from ingest.cli import app as cli_app
 from ingest.gateway import create_app
 from ingest.topics import ensure_topics
-from conftest import JSON_VALUES
+from conftest import JSON_VALUES, schemathesis_sweep
 
 pytestmark = pytest.mark.integration
 
@@ -250,6 +250,21 @@ def test_every_route_but_healthz_refuses_a_request_without_a_valid_key(gateway):
         checked += 1
     assert checked >= 4  # /v1/events, /metrics, /openapi.json, /docs
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+
+def test_schemathesis_finds_no_5xx_and_every_refusal_says_why(gateway, fault_figures):
+    """schemathesis over the gateway's own OpenAPI (served to the key), valid and
+    schema-violating input, with the project's write key (see ``conftest.schemathesis_sweep``);
+    the valid events it generates are accepted and reach the topic."""
+    import schemathesis
+
+    writer = {"Authorization": f"Bearer {gateway.key}"}
+    schema = schemathesis.openapi.from_url(f"{gateway.url}/openapi.json", headers=writer)
+    seen, failures, unnegatable = schemathesis_sweep(schema, writer, max_examples=25, base_url=gateway.url)
+    fault_figures(unit="requests", bad_inputs=seen["refused"], server_errors=seen["server_errors"])
+    assert not failures, "\n\n".join(failures)
+    assert seen["server_errors"] == 0 and seen["refused"] > 10, seen
+    assert "/v1/events" not in unnegatable, unnegatable
+
 
 def test_keys_cli_creates_lists_and_revokes(gateway):
     runner = CliRunner()

@@ -31,7 +31,7 @@ from flywheel.db import migrate
 from flywheel.db.engine import get_engine
 from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.stack import endpoints
-from conftest import JSON_VALUES
+from conftest import JSON_VALUES, schemathesis_sweep
 from serving.admin import PUBLIC_PATHS, READ_METHODS, ROLE_RANK, BootstrapRefused, bootstrap_admin_token, create_app, required_role
 
 pytestmark = pytest.mark.integration
@@ -534,3 +534,24 @@ def test_generated_requests_to_every_operation_never_get_a_5xx_and_refusals_say_
     fault_figures(unit="requests", bad_inputs=seen["refused"], server_errors=seen["server_errors"])
     assert seen["server_errors"] == 0
     assert len(hit) >= len(operations) * 0.8, sorted(set((m, p) for m, p, _ in operations) - hit)
+
+
+
+def test_schemathesis_finds_no_5xx_and_every_refusal_says_why(engine, fleet, tokens, fault_figures):
+    """schemathesis over the admin API's own OpenAPI, valid and schema-violating inputs, under an
+    admin token (see ``conftest.schemathesis_sweep`` for the checks)."""
+    import schemathesis
+
+    admin = bearer(tokens["admin"])
+    app = create_app(make_settings(fleet), engine)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers=admin)
+    assert len(list(schema.get_all_operations())) >= 15
+    try:
+        seen, failures, unnegatable = schemathesis_sweep(schema, admin)
+    finally:
+        for what in ("trainer", "canary"):  # whatever the generated calls paused
+            TestClient(app).post(f"/v1/{what}/resume", headers=admin)
+    fault_figures(unit="requests", bad_inputs=seen["refused"], server_errors=seen["server_errors"])
+    assert not failures, "\n\n".join(failures)
+    assert seen["server_errors"] == 0 and seen["refused"] > 50, seen
+    assert len(unnegatable) <= 8, unnegatable  # the parameterless reads
