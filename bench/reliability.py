@@ -77,6 +77,8 @@ SCENARIOS: dict[str, str] = {
     "bad records become dead letters": T + "test_ingest_consumer.py::test_valid_events_land_once_and_bad_records_become_dead_letters",
     "generated bad events at the gateway": T + "test_ingest_gateway.py::test_generated_bad_input_never_gets_a_5xx_and_valid_events_in_the_batch_are_kept",
     "generated requests to the admin API": T + "test_serving_admin.py::test_generated_requests_to_every_operation_never_get_a_5xx_and_refusals_say_why",
+    "schemathesis against the gateway": T + "test_ingest_gateway.py::test_schemathesis_on_the_gateway_finds_no_5xx_and_every_refusal_says_why",
+    "schemathesis against the admin API": T + "test_serving_admin.py::test_schemathesis_on_the_admin_api_finds_no_5xx_and_every_refusal_says_why",
     "a write key cannot write to another project": T + "test_ingest_gateway.py::test_only_foreign_events_is_403",
 }  # fmt: skip
 BENCH_INGEST_E2E_RATE = 7279.0

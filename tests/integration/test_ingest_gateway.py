@@ -251,7 +251,7 @@ def test_every_route_but_healthz_refuses_a_request_without_a_valid_key(gateway):
     assert checked >= 4  # /v1/events, /metrics, /openapi.json, /docs
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
 
-def test_schemathesis_finds_no_5xx_and_every_refusal_says_why(gateway, fault_figures):
+def test_schemathesis_on_the_gateway_finds_no_5xx_and_every_refusal_says_why(gateway, fault_figures):
     """schemathesis over the gateway's own OpenAPI (served to the key), valid and
     schema-violating input, with the project's write key (see ``conftest.schemathesis_sweep``);
     the valid events it generates are accepted and reach the topic."""

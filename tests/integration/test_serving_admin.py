@@ -537,7 +537,7 @@ def test_generated_requests_to_every_operation_never_get_a_5xx_and_refusals_say_
 
 
 
-def test_schemathesis_finds_no_5xx_and_every_refusal_says_why(engine, fleet, tokens, fault_figures):
+def test_schemathesis_on_the_admin_api_finds_no_5xx_and_every_refusal_says_why(engine, fleet, tokens, fault_figures):
     """schemathesis over the admin API's own OpenAPI, valid and schema-violating inputs, under an
     admin token (see ``conftest.schemathesis_sweep`` for the checks)."""
     import schemathesis
