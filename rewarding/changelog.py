@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import faust
@@ -45,51 +44,12 @@ from faust.tables.recovery import Recovery
 from faust.transport.drivers.aiokafka import server_list
 from faust.types import TP
 
+from flywheel.kafka_ends import fetched_ends
+
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 10.0
 """Longest the end-offset fetch may take before the broker's ListOffsets answer is kept."""
-
-
-def fetched_ends(bootstrap: Sequence[str], reported: Mapping[TP, int | None], timeout_s: float) -> dict[TP, int]:
-    """The real end offset of each partition, from one fetch at (reported end - 1).
-
-    A partition that returns nothing within ``timeout_s`` keeps its reported end (logged).
-    """
-    from kafka import KafkaConsumer, TopicPartition
-
-    ends = {tp: end or 0 for tp, end in reported.items()}
-    wanted = {TopicPartition(tp.topic, tp.partition): tp for tp, end in ends.items() if end > 0}
-    if not wanted:
-        return ends
-    consumer = KafkaConsumer(
-        bootstrap_servers=list(bootstrap),
-        group_id=None,
-        enable_auto_commit=False,
-        client_id="flywheel-rewarding-recovery",
-    )
-    try:
-        consumer.assign(list(wanted))
-        for ktp, tp in wanted.items():
-            consumer.seek(ktp, ends[tp] - 1)
-        pending = set(wanted)
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            for ktp, records in consumer.poll(timeout_ms=200).items():
-                tp = wanted[ktp]
-                highwater = consumer.highwater(ktp) or 0
-                last = records[-1].offset + 1 if records else 0
-                ends[tp] = max(ends[tp], highwater, last)
-                pending.discard(ktp)
-        if pending:
-            log.warning(
-                "could not fetch the end of changelog partitions %s within %.0fs; keeping the broker's ListOffsets",
-                sorted(f"{t.topic}[{t.partition}]" for t in pending),
-                timeout_s,
-            )
-    finally:
-        consumer.close()
-    return ends
 
 
 class ChangelogTable(faust.Table):
@@ -129,7 +89,9 @@ class _RealEnds:
 
     async def highwaters(self, *tps: TP) -> dict[TP, int]:
         reported = await self._consumer.highwaters(*tps)
-        ends = await asyncio.to_thread(fetched_ends, self._bootstrap, reported, FETCH_TIMEOUT_S)
+        ends = await asyncio.to_thread(
+            fetched_ends, self._bootstrap, reported, FETCH_TIMEOUT_S, client_id="flywheel-rewarding-recovery"
+        )
         for tp, end in sorted(ends.items()):
             if end != (reported.get(tp) or 0):
                 log.info(

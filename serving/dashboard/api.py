@@ -61,12 +61,14 @@ def measure_kafka_lag(settings: "Settings", timeout_s: float = KAFKA_TIMEOUT_S) 
     """Records on the events topic not yet committed by the ingest consumer group (blocking).
 
     Committed offsets of ``settings.ingest.group_id`` against the end offsets of the
-    ``<prefix>.events`` topic; a partition the group never committed counts from its
+    ``<prefix>.events`` topic (read by a fetch: ListOffsets is wrong on Tansu, see
+    :mod:`flywheel.kafka_ends`); a partition the group never committed counts from its
     beginning offset. Raises on any broker error (the caller turns it into a reason).
     """
     from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
     from flywheel.contracts.topics import events_topic
+    from flywheel.kafka_ends import fetched_ends
     from flywheel.stack.endpoints import kafka_bootstrap
 
     bootstrap = kafka_bootstrap(settings).split(",")
@@ -87,7 +89,7 @@ def measure_kafka_lag(settings: "Settings", timeout_s: float = KAFKA_TIMEOUT_S) 
             return _lag(None, "records", f"topic {topic} does not exist on {','.join(bootstrap)}",
                         topic=topic, group=group)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        ends = consumer.end_offsets(tps)
+        ends = fetched_ends(bootstrap, consumer.end_offsets(tps), timeout_s * 0.6, client_id="flywheel-dashboard")
         begins = consumer.beginning_offsets(tps)
         committed = {tp: meta.offset for tp, meta in _group_offsets(admin, group, tps).items()
                      if tp.topic == topic and meta is not None and meta.offset is not None and meta.offset >= 0}

@@ -118,7 +118,7 @@ def test_recovery_reads_each_changelog_partition_to_its_last_record(kafka_bootst
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
     from kafka.admin import KafkaAdminClient, NewTopic
 
-    from rewarding.changelog import fetched_ends
+    from flywheel.kafka_ends import fetched_ends
 
     topic = f"rwk-ends-{uuid.uuid4().hex[:8]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)

@@ -1,0 +1,55 @@
+"""The dashboard's Kafka lag against the real broker: the ingest group's committed offsets
+against the events topic's real end, also where the broker's ListOffsets answer is the base
+of the last record batch (Tansu 0.6)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.structs import OffsetAndMetadata
+
+from flywheel.config import Settings
+from flywheel.contracts.topics import events_topic
+from serving.dashboard.api import measure_kafka_lag
+
+pytestmark = pytest.mark.integration
+
+
+def test_lag_counts_every_uncommitted_record_to_the_real_end(kafka_bootstrap: str) -> None:
+    prefix, group = f"lag{uuid.uuid4().hex[:8]}", f"ingest-{uuid.uuid4().hex[:8]}"
+    topic = events_topic(prefix)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, 3, 1)])
+    finally:
+        admin.close()
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=50, acks="all")
+    try:
+        for size in (1, 3, 5):  # one produce batch each: partition 0 holds offsets 0, 1-3, 4-8
+            for i in range(size):
+                producer.send(topic, key=b"k", value=b"v%d" % i, partition=0)
+            producer.flush()
+        for i in range(2):
+            producer.send(topic, key=b"k", value=b"w%d" % i, partition=1)
+        producer.flush()
+    finally:
+        producer.close()
+    committer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        committer.commit({TopicPartition(topic, 0): OffsetAndMetadata(4, "", -1)})
+    finally:
+        committer.close()
+    settings = Settings(
+        environment="test",
+        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
+        ingest={"group_id": group},
+    )
+
+    lag = measure_kafka_lag(settings, timeout_s=20.0)
+
+    # partition 0: 9 records, 4 committed; partition 1: 2 records, never committed; partition 2: empty
+    assert lag["partitions"] == {"0": 5, "1": 2, "2": 0}, lag
+    assert lag["value"] == 7 and lag["uncommitted_partitions"] == [1, 2], lag
