@@ -69,9 +69,12 @@ class SessionState:
     due_at: float | None = None
     """When the session should be scored next; None when nothing is pending."""
 
-    def add(self, event: Event, arrived_at: float, windows: Windows, raw: str | None = None) -> bool:
-        """Record ``event`` (``raw``: its JSON as received); False (and no change) when its id is known."""
-        key = str(event.event_id)
+    def add(
+        self, event: Event, arrived_at: float, windows: Windows, raw: str | None = None, key: str | None = None
+    ) -> bool:
+        """Record ``event`` (``raw``: its JSON as received; ``key``: ``str(event.event_id)`` when the
+        caller has it); False (and no change) when its id is known."""
+        key = key or str(event.event_id)
         if key in self.events:
             return False
         self.events[key] = raw if raw is not None else dump_event(event).decode("utf-8")
@@ -174,11 +177,11 @@ class EventCache:
         self.max_size = max_size
         self._data: OrderedDict[str, Event] = OrderedDict()
 
-    def put(self, event: Event) -> None:
-        """Remember ``event``."""
+    def put(self, event: Event, key: str | None = None) -> None:
+        """Remember ``event`` (``key``: ``str(event.event_id)`` when the caller has it)."""
         if self.max_size <= 0:
             return
-        self._data[str(event.event_id)] = event
+        self._data[key or str(event.event_id)] = event
         if len(self._data) > self.max_size:
             self._data.popitem(last=False)
 

@@ -20,11 +20,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
 from psycopg.types.json import Jsonb
 from sqlalchemy import text
 
 from flywheel.db.engine import get_engine
 from rewarding.scorer import ScoredSession
+
+def json_bytes(value: Any) -> bytes:
+    """A jsonb column's value as JSON (orjson: ~5x the standard library on the worker's hot path;
+    non-string keys become strings, as ``json.dumps`` makes them; NaN and infinities become
+    null, which jsonb cannot hold anyway)."""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+
 
 Mode = Literal["stream", "recompute"]
 Decision = Literal["write", "covered", "diverged", "unchanged"]
@@ -199,8 +207,8 @@ class RewardStore:
                 for (s, version, reason), reward_id in zip(pending, ids):
                     copy.write_row(
                         (
-                            reward_id, s.project, s.session_id, version, s.reward, Jsonb(s.components),
-                            Jsonb(s.extractor_versions), s.config_hash, s.policy_version, reason,
+                            reward_id, s.project, s.session_id, version, s.reward, Jsonb(s.components, json_bytes),
+                            Jsonb(s.extractor_versions, json_bytes), s.config_hash, s.policy_version, reason,
                         )
                     )
             with cur.copy(COPY_SAMPLES) as copy:
@@ -211,7 +219,7 @@ class RewardStore:
                             (
                                 s.project, s.session_id, x.completion_id, reward_id, version, x.policy_version,
                                 x.group_key, x.task, x.agent_role, x.prompt_token_ids, x.completion_token_ids,
-                                x.loss_mask, x.behaviour_logprobs, x.reward, Jsonb(x.components),
+                                x.loss_mask, x.behaviour_logprobs, x.reward, Jsonb(x.components, json_bytes),
                             )
                         )
         return ids

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 
 from flywheel.config import GrmSettings, RubricSettings
-from rewarding.extractors.base import Components, Extractor
+from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.grm import JudgeClient, JudgeError
 from rewarding.session_state import Session
 
@@ -45,7 +45,7 @@ def parse_score(rubric: RubricSettings, answer: str) -> float:
 def aggregate(scores: list[float], rule: str) -> float:
     """Combine normalised rubric scores by ``mean``, ``median`` or ``min``."""
     if rule == "mean":
-        return statistics.fmean(scores)
+        return mean(scores)
     if rule == "median":
         return statistics.median(scores)
     if rule == "min":

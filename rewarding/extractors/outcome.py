@@ -9,10 +9,9 @@ later Outcome event makes a new reward version. For the calculator demo, ``task_
 
 from __future__ import annotations
 
-import statistics
 
 from flywheel.config import OutcomeExtractorSettings, OutcomeRule
-from rewarding.extractors.base import Components, Extractor
+from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.session_state import Session
 
 
@@ -31,7 +30,7 @@ def map_outcome(rule: OutcomeRule, value: float | bool) -> float:
 def combine(values: list[float], how: str) -> float:
     """Combine per-outcome rewards by ``mean``, ``min``, ``max`` or ``sum``."""
     if how == "mean":
-        return statistics.fmean(values)
+        return mean(values)
     if how == "min":
         return min(values)
     if how == "max":

@@ -18,13 +18,12 @@
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 
 from flywheel.config import OutcomeExtractorSettings, ParlSettings
 from flywheel.contracts.events import Completion, SpanStart
 from rewarding.anneal import anneal_factor
-from rewarding.extractors.base import Components, Extractor
+from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.extractors.outcome import outcome_terms
 from rewarding.session_state import Session
 
@@ -93,7 +92,7 @@ class ParlExtractor(Extractor):
             return Components(value=None, metrics=metrics, details={"missing": "r_perf"})
         factor = anneal_factor(s.anneal, session.started_at)
         terms = {
-            "r_perf": statistics.fmean(perf.values()),
+            "r_perf": mean(perf.values()),
             "r_parallel": factor * s.lambda_parallel * r_parallel,
             "r_finish": factor * s.lambda_finish * r_finish,
             "critical_steps_cost": -s.critical_step_cost * critical,

@@ -6,11 +6,10 @@ schedule takes them to zero so the final policy optimises task success alone.
 
 from __future__ import annotations
 
-import statistics
 
 from flywheel.config import ShapingSettings
 from rewarding.anneal import anneal_factor
-from rewarding.extractors.base import Components, Extractor
+from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.session_state import Session
 
 
@@ -28,7 +27,7 @@ class ShapingExtractor(Extractor):
             return Components(value=None)
         s = self.settings
         factor = anneal_factor(s.anneal, session.started_at)
-        latency_s = statistics.fmean(c.latency_ms for c in session.completions) / 1000.0
+        latency_s = mean([c.latency_ms for c in session.completions]) / 1000.0
         tokens = sum(len(c.completion_token_ids or ()) for c in session.completions)
         latency = -factor * s.latency_coef * max(0.0, latency_s - s.latency_free_s)
         length = -factor * s.length_coef * max(0, tokens - s.length_free_tokens) / 1000.0
