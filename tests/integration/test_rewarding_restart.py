@@ -146,3 +146,94 @@ def test_recovery_reads_each_changelog_partition_to_its_last_record(kafka_bootst
     ends = fetched_ends([kafka_bootstrap], reported, timeout_s=10.0)
 
     assert ends == {TP(topic, 0): 9, TP(topic, 1): 1, TP(topic, 2): 0}, f"ListOffsets said {reported}"
+
+
+def test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing(
+    kafka_bootstrap: str, pg_url: str, tmp_path, fault_figures
+) -> None:
+    """Two rebalances under steady traffic (a second worker joins, then stops): faust suspends
+    the first worker's flow in the middle of a fetched batch each time, and the batch's
+    delivery is cancelled there (``rewarding.transport.Consumer._drain_messages``). Every
+    session is still scored, exactly once."""
+    from rewarding.harness import HOLDING_MARK
+
+    migrate.upgrade(pg_url)
+    tag = uuid.uuid4().hex[:8]
+    project, prefix = f"rwr-{tag}", f"rwr{tag}"
+    env = settings_env(
+        {
+            "run_dir": str(tmp_path),
+            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
+            "postgres": {"url": pg_url},
+            "ingest": {"partitions": 4},
+            "rewarding": {
+                "group_id": f"rwr-{tag}",
+                "feedback_window_s": 1.0,
+                "timer_interval_s": 0.1,
+                "commit_interval_s": 1.0,
+                "session_timeout_broker_s": SESSION_TIMEOUT_S,
+                "rebalance_timeout_s": 6,
+            },
+        }
+    )
+    rng = random.Random(11)
+    producer = make_producer(kafka_bootstrap)
+    topic = f"{prefix}.events"
+    stop = threading.Event()
+    sent = [0]
+    session_ids: list[str] = []
+
+    def feed() -> None:
+        while not stop.is_set():
+            b = arith_session(rng, project=project, at=datetime.now(timezone.utc))
+            produce(producer, topic, b.events, flush=sent[0] % 5 == 4)
+            session_ids.append(b.session_id)
+            sent[0] += 1
+            time.sleep(1.0 / 40)
+        producer.flush()
+
+    def missing() -> str:
+        from rewarding.app import partition_of
+
+        with get_engine(pg_url).connect() as conn:
+            query = text("SELECT DISTINCT session_id FROM rewards WHERE project = :p")
+            scored = {r[0] for r in conn.execute(query, {"p": project})}
+        lost = [i for i, s in enumerate(session_ids) if s not in scored]
+        where = sorted(partition_of(session_ids[i].encode(), 4) for i in lost)
+        return f"{len(lost)} of {len(session_ids)} unscored (sent as number {lost}), partitions {where}"
+
+    first = WorkerProcess(env, tmp_path / "worker-1.log").start()
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    second = WorkerProcess(env, tmp_path / "worker-2.log")
+    try:
+        wait_until(lambda: counts(pg_url, project)["sessions"] >= 40, 120, "40 sessions scored")
+        second.start()  # the first worker's partitions are revoked while its batches are in flight
+        wait_until(lambda: len(first.log_times(HOLDING_MARK)) >= 2, 120, "the first worker reassigned")
+        at_join = counts(pg_url, project)["sessions"]
+        wait_until(lambda: counts(pg_url, project)["sessions"] >= at_join + 60, 120, "both workers scoring")
+        second.stop()  # and again when it leaves
+        wait_until(lambda: len(first.log_times(HOLDING_MARK)) >= 3, 120, "the first worker holding everything")
+        time.sleep(2.0)
+        stop.set()
+        feeder.join(timeout=60)
+        try:
+            wait_until(lambda: counts(pg_url, project)["sessions"] == sent[0], 120, f"all {sent[0]} sessions scored")
+        except TimeoutError as err:
+            raise AssertionError(f"{err}: {missing()}; logs in {tmp_path}") from err
+        time.sleep(3.0)  # anything scored twice would show up now
+        final = counts(pg_url, project)
+    finally:
+        stop.set()
+        second.stop()
+        first.stop()
+        feeder.join(timeout=60)
+        producer.close()
+    fault_figures(unit="sessions scored", sent=sent[0], stored=final["rewards"], distinct=final["sessions"])
+    assert final == {
+        "sessions": sent[0],
+        "rewards": sent[0],
+        "max_version": 1,
+        "samples": 2 * sent[0],
+        "completions": 2 * sent[0],
+    }
