@@ -67,6 +67,7 @@ SCENARIOS: dict[str, str] = {
     "Postgres restarted under traffic": T + "test_ingest_consumer.py::test_postgres_restarted_under_traffic_the_consumer_reconnects_and_loses_nothing",
     "database connections cut": T + "test_ingest_consumer.py::test_a_lost_database_connection_is_retried_without_losing_events",
     "faust worker SIGKILLed": T + "test_rewarding_restart.py::test_killed_and_restarted_worker_scores_every_session_exactly_once",
+    "faust worker joining and leaving (two rebalances)": T + "test_rewarding_restart.py::test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing",
     "Celery worker SIGKILLed mid-cycle": T + "test_trainer_cycle.py::test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds",
     "router SIGKILLed under load": T + "test_serving_router.py::test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost",
     "vLLM replica killed mid-stream": T + "test_serving_router.py::test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins",
