@@ -180,6 +180,29 @@ FAULT_REPORT_ENV = "FLYWHEEL_FAULT_REPORT"
 """When set, fault and bad-input tests append their figures to this JSON-lines file (bench/reliability.py)."""
 
 
+def topic_in_batches(bootstrap: str, topic: str, batches: dict[int, tuple[int, ...]], partitions: int = 3) -> None:
+    """Create ``topic`` and produce to it one produce batch per size in ``batches`` (partition ->
+    sizes), flushed between batches: ``{0: (1, 3, 5)}`` puts offsets 0, 1-3 and 4-8 in three
+    record batches, whose last base offset (4) is what Tansu 0.6 answers ListOffsets with."""
+    from kafka import KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, acks="all")
+    try:
+        for partition, sizes in batches.items():
+            for size in sizes:
+                for i in range(size):
+                    producer.send(topic, key=b"k", value=b"v%d" % i, partition=partition)
+                producer.flush()
+    finally:
+        producer.close()
+
+
 def refusal_says_why(error: object) -> bool:
     """An error body with a reason: FastAPI's ``detail``, the admin API's ``error`` and ``reason``,
     or the gateway's per-event ``rejected`` list, each entry with its ``reason``."""

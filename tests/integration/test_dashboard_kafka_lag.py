@@ -7,10 +7,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
+from conftest import topic_in_batches
 from flywheel.config import Settings
 from flywheel.contracts.topics import events_topic
 from serving.dashboard.api import measure_kafka_lag
@@ -21,22 +21,8 @@ pytestmark = pytest.mark.integration
 def test_lag_counts_every_uncommitted_record_to_the_real_end(kafka_bootstrap: str) -> None:
     prefix, group = f"lag{uuid.uuid4().hex[:8]}", f"ingest-{uuid.uuid4().hex[:8]}"
     topic = events_topic(prefix)
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    try:
-        admin.create_topics([NewTopic(topic, 3, 1)])
-    finally:
-        admin.close()
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=50, acks="all")
-    try:
-        for size in (1, 3, 5):  # one produce batch each: partition 0 holds offsets 0, 1-3, 4-8
-            for i in range(size):
-                producer.send(topic, key=b"k", value=b"v%d" % i, partition=0)
-            producer.flush()
-        for i in range(2):
-            producer.send(topic, key=b"k", value=b"w%d" % i, partition=1)
-        producer.flush()
-    finally:
-        producer.close()
+    # partition 0: offsets 0, 1-3, 4-8 in three record batches; partition 1: 2 records
+    topic_in_batches(kafka_bootstrap, topic, {0: (1, 3, 5), 1: (2,)})
     committer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
     try:
         committer.commit({TopicPartition(topic, 0): OffsetAndMetadata(4, "", -1)})

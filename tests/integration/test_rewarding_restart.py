@@ -18,6 +18,7 @@ from sqlalchemy import text
 
 from flywheel.db import migrate
 from flywheel.db.engine import get_engine
+from conftest import topic_in_batches
 from rewarding.harness import WorkerProcess, make_producer, produce, settings_env, wait_until
 from rewarding.synthetic import arith_session
 
@@ -27,6 +28,27 @@ SESSIONS = 300
 SESSION_TIMEOUT_S = 6
 DEAD_MEMBER_EXPIRY_S = SESSION_TIMEOUT_S + 4
 PER_SECOND = 60
+
+
+def worker_env(tmp_path, kafka_bootstrap: str, pg_url: str, name: str) -> dict[str, str]:
+    """The environment of a rewarding worker on its own topics and group (``name``), with short
+    windows and broker timeouts so that scoring and rebalances happen within a test."""
+    return settings_env(
+        {
+            "run_dir": str(tmp_path),
+            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": name.replace("-", "")},
+            "postgres": {"url": pg_url},
+            "ingest": {"partitions": 4},
+            "rewarding": {
+                "group_id": name,
+                "feedback_window_s": 1.0,
+                "timer_interval_s": 0.1,
+                "commit_interval_s": 1.0,
+                "session_timeout_broker_s": SESSION_TIMEOUT_S,
+                "rebalance_timeout_s": 6,
+            },
+        }
+    )
 
 
 def counts(db_url: str, project: str) -> dict[str, int]:
@@ -51,22 +73,7 @@ def test_killed_and_restarted_worker_scores_every_session_exactly_once(
     migrate.upgrade(pg_url)
     tag = uuid.uuid4().hex[:8]
     project, prefix = f"rwk-{tag}", f"rwk{tag}"
-    env = settings_env(
-        {
-            "run_dir": str(tmp_path),
-            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
-            "postgres": {"url": pg_url},
-            "ingest": {"partitions": 4},
-            "rewarding": {
-                "group_id": f"rwk-{tag}",
-                "feedback_window_s": 1.0,
-                "timer_interval_s": 0.1,
-                "commit_interval_s": 1.0,
-                "session_timeout_broker_s": 6,
-                "rebalance_timeout_s": 6,
-            },
-        }
-    )
+    env = worker_env(tmp_path, kafka_bootstrap, pg_url, project)
     rng = random.Random(7)
     producer = make_producer(kafka_bootstrap)
     topic = f"{prefix}.events"
@@ -115,27 +122,12 @@ def test_killed_and_restarted_worker_scores_every_session_exactly_once(
 def test_recovery_reads_each_changelog_partition_to_its_last_record(kafka_bootstrap: str) -> None:
     """A partition's end is its last record + 1 even where ListOffsets names the last batch's base (Tansu 0.6)."""
     from faust.types import TP
-    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka import KafkaConsumer, TopicPartition
 
     from flywheel.kafka_ends import fetched_ends
 
     topic = f"rwk-ends-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    try:
-        admin.create_topics([NewTopic(topic, 3, 1)])
-    finally:
-        admin.close()
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=50, acks="all")
-    try:
-        for size in (1, 3, 5):  # one produce batch each: offsets 0, 1-3, 4-8
-            for i in range(size):
-                producer.send(topic, key=b"k", value=b"v%d" % i, partition=0)
-            producer.flush()
-        producer.send(topic, key=b"k", value=b"one", partition=1)
-        producer.flush()
-    finally:
-        producer.close()
+    topic_in_batches(kafka_bootstrap, topic, {0: (1, 3, 5), 1: (1,)})  # partition 0: offsets 0, 1-3, 4-8
     consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap)
     try:
         listed = consumer.end_offsets([TopicPartition(topic, p) for p in range(3)])
@@ -160,22 +152,7 @@ def test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing(
     migrate.upgrade(pg_url)
     tag = uuid.uuid4().hex[:8]
     project, prefix = f"rwr-{tag}", f"rwr{tag}"
-    env = settings_env(
-        {
-            "run_dir": str(tmp_path),
-            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
-            "postgres": {"url": pg_url},
-            "ingest": {"partitions": 4},
-            "rewarding": {
-                "group_id": f"rwr-{tag}",
-                "feedback_window_s": 1.0,
-                "timer_interval_s": 0.1,
-                "commit_interval_s": 1.0,
-                "session_timeout_broker_s": SESSION_TIMEOUT_S,
-                "rebalance_timeout_s": 6,
-            },
-        }
-    )
+    env = worker_env(tmp_path, kafka_bootstrap, pg_url, project)
     rng = random.Random(11)
     producer = make_producer(kafka_bootstrap)
     topic = f"{prefix}.events"
