@@ -58,7 +58,21 @@ class Consumer(faust_aiokafka.Consumer):
         shared task that lives until one of them is set. (Delivering a whole fetched batch in
         one task was tried, and lost sessions across rebalances:
         ``test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing``.)
+
+        One more difference: a message's read offset is recorded only if no rebalance began
+        during its hand-over. faust records it anyway, and a revoke has just dropped the revoked
+        partitions' read offsets and stopped the flow (in one step): the offset recorded then is
+        stale, for a partition this worker may no longer hold. If the partition comes back in a
+        later generation while its committed offset is still below that stale value, faust,
+        which resumes the flow before its seek to the committed offsets has finished, drops the
+        records it fetches meanwhile as already read ("DROPPED MESSAGE ROFF"), and once the seek
+        is done takes the next record's jump for a gap in the offsets, which it counts as acked:
+        records committed without being processed (seen with a whole-batch hand-over, whose
+        reads run further ahead of its commits). Not recording an offset can at worst hand a
+        message over twice, which the session states absorb (events apply idempotently by id).
+        The flow resumes only in a new generation, so the two checks cover the whole rebalance.
         """
+        app = self.app
         callback = self.callback
         getmany = self.getmany
         consumer_should_stop = self._stopped.is_set
@@ -93,7 +107,8 @@ class Consumer(faust_aiokafka.Consumer):
                                 self._n_acked = 0
                                 await self.commit()
                             await deliver(callback, message)
-                            set_read_offset(tp, offset)
+                            if self.flow_active and message.generation_id == app.consumer_generation_id:
+                                set_read_offset(tp, offset)  # not if a rebalance began meanwhile: see below
                         else:
                             self.log.dev("DROPPED MESSAGE ROFF %r: k=%r v=%r", offset, message.key, message.value)
                 unset_flag(CONSUMER_FETCHING)

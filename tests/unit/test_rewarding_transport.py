@@ -1,9 +1,11 @@
 """The rewarding consumer's per-message hand-over (``rewarding.transport.Consumer._deliver``):
-faust's ``wait_first(callback(message), suspend_flow.wait())`` contract with one task per message."""
+faust's ``wait_first(callback(message), suspend_flow.wait())`` contract with one task per message;
+and its fetch loop, which records no read offset for a delivery a rebalance interrupted."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -81,3 +83,64 @@ def test_the_deliverys_exception_is_raised() -> None:
 
     with pytest.raises(ValueError, match="cannot decode m"):
         run(go())
+
+
+def message(offset: int, generation: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(offset=offset, generation_id=generation, topic="t", key=None, value=None)
+
+
+class Loop(Host):
+    """What ``_drain_messages`` uses besides: one fetched batch from ``getmany``, then a stop."""
+
+    def __init__(self, batch) -> None:
+        super().__init__()
+        self.batch, self.seen = batch, []
+        self.flow_active = True
+        self.app = SimpleNamespace(consumer_generation_id=1, topics=SimpleNamespace(acks_enabled_for=lambda t: True))
+        self._read_offset = defaultdict(lambda: None)  # as faust keeps them
+        self._stopped, self.fetcher = asyncio.Event(), SimpleNamespace(_stopped=asyncio.Event())
+        self.diag = SimpleNamespace(set_flag=lambda f: None, unset_flag=lambda f: None)
+        self._commit_every, self._n_acked, self.should_stop = None, 0, False
+        self.consumer_stopped_errors = ()
+        self.log = SimpleNamespace(dev=lambda *a: None, exception=lambda *a: None)
+
+    async def getmany(self, timeout):
+        self.fetcher._stopped.set()  # one batch, then the loop ends
+        for m in self.batch:
+            if not self.flow_active:
+                break  # faust's generator checks the flow between two messages
+            yield "tp", m
+
+    async def sleep(self, s):
+        await asyncio.sleep(s)
+
+    async def _deliver(self, callback, message):
+        return await Consumer._deliver(self, callback, message)
+
+    async def callback(self, m):
+        self.seen.append(m.offset)
+        if m.offset == 21:  # the revoke, as faust's consumer does it: offsets dropped, flow stopped
+            self._read_offset.pop("tp", None)
+            self.flow_active = False
+
+
+def test_a_delivery_that_ends_after_a_revoke_does_not_record_a_stale_read_offset() -> None:
+    async def go():
+        loop = Loop([message(o) for o in range(20, 25)])
+        await Consumer._drain_messages(loop, loop.fetcher)
+        return loop
+
+    loop = run(go())
+    assert loop.seen == [20, 21]
+    assert "tp" not in loop._read_offset  # faust would record 21 for a partition it no longer holds
+
+
+def test_deliveries_record_their_read_offsets_when_no_rebalance_intervenes() -> None:
+    async def go():
+        loop = Loop([message(o) for o in range(30, 35)])
+        await Consumer._drain_messages(loop, loop.fetcher)
+        return loop
+
+    loop = run(go())
+    assert loop.seen == [30, 31, 32, 33, 34]
+    assert loop._read_offset == {"tp": 34}
