@@ -108,7 +108,7 @@ class Consumer(faust_aiokafka.Consumer):
                                 await self.commit()
                             await deliver(callback, message)
                             if self.flow_active and message.generation_id == app.consumer_generation_id:
-                                set_read_offset(tp, offset)  # not if a rebalance began meanwhile: see below
+                                set_read_offset(tp, offset)  # not if a rebalance began meanwhile (docstring)
                         else:
                             self.log.dev("DROPPED MESSAGE ROFF %r: k=%r v=%r", offset, message.key, message.value)
                 unset_flag(CONSUMER_FETCHING)

@@ -124,23 +124,24 @@ class Loop(Host):
             self.flow_active = False
 
 
-def test_a_delivery_that_ends_after_a_revoke_does_not_record_a_stale_read_offset() -> None:
+def drained(offsets: range) -> Loop:
+    """The fetch loop run over one batch of messages at ``offsets``."""
+
     async def go():
-        loop = Loop([message(o) for o in range(20, 25)])
+        loop = Loop([message(o) for o in offsets])
         await Consumer._drain_messages(loop, loop.fetcher)
         return loop
 
-    loop = run(go())
+    return run(go())
+
+
+def test_a_delivery_that_ends_after_a_revoke_does_not_record_a_stale_read_offset() -> None:
+    loop = drained(range(20, 25))
     assert loop.seen == [20, 21]
     assert "tp" not in loop._read_offset  # faust would record 21 for a partition it no longer holds
 
 
 def test_deliveries_record_their_read_offsets_when_no_rebalance_intervenes() -> None:
-    async def go():
-        loop = Loop([message(o) for o in range(30, 35)])
-        await Consumer._drain_messages(loop, loop.fetcher)
-        return loop
-
-    loop = run(go())
+    loop = drained(range(30, 35))
     assert loop.seen == [30, 31, 32, 33, 34]
     assert loop._read_offset == {"tp": 34}
