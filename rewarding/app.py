@@ -234,13 +234,20 @@ class RewardingApp:
                 self._due_now = False
                 self.wake_finalizer()
             written = self.table.take_unwritten()
-            acking.append(asyncio.ensure_future(self._ack_when_written(stream, batch, written)))
+            prior = acking[-1] if acking else None
+            acking.append(asyncio.ensure_future(self._ack_when_written(stream, batch, written, prior)))
             while acking and (acking[0].done() or len(acking) > ACKS_IN_FLIGHT):
                 await acking.popleft()
             metrics.STAGE_SECONDS.labels("apply").inc(time.perf_counter() - started)
 
-    async def _ack_when_written(self, stream: faust.Stream, events: list, written: list[asyncio.Future]) -> None:
-        """Ack ``events`` once every changelog record in ``written`` is acknowledged by the broker.
+    async def _ack_when_written(
+        self, stream: faust.Stream, events: list, written: list[asyncio.Future], prior: asyncio.Task | None
+    ) -> None:
+        """Ack ``events`` once every changelog record in ``written`` is acknowledged by the broker,
+        and the batch before (``prior``) is acked: batches are acked in order. (faust commits past
+        one unacked offset at the head of a partition's acked offsets, its committed offset
+        + 1 taken for contiguous; an earlier batch still waiting for its changelog records while
+        a later one was acked could have its last record committed unprocessed.)
 
         A failed changelog write crashes the worker: its events stay unacked (never committed),
         so they are processed again after the restart.
@@ -252,6 +259,8 @@ class RewardingApp:
             log.error("changelog write failed; stopping the worker so its events are processed again: %r", err)
             await self.app.crash(err)
             raise
+        if prior is not None:
+            await prior  # raises if that batch's write failed (the worker is crashing): this one stays unacked too
         for event in events:
             await stream.ack(event)
 

@@ -83,3 +83,52 @@ def test_the_watchdog_counts_a_rebalance_but_not_a_recovery(tmp_path, monkeypatc
     assert worker.rebalance_stuck_for(1101.0) is None and worker.rebalance_stuck_for(1160.0) is None
     worker.app.rebalancing = False
     assert worker.rebalance_stuck_for(2000.0) is None
+
+
+def _acking(prior_fails: bool = False):
+    """Two batches acked through ``RewardingApp._ack_when_written``; the second batch's changelog
+    record is acknowledged by the broker before the first's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    async def go():
+        acked, crashed = [], []
+
+        async def ack(event):
+            acked.append(event)
+
+        async def crash(err):
+            crashed.append(err)
+
+        host = SimpleNamespace(app=SimpleNamespace(crash=crash))
+        stream = SimpleNamespace(ack=ack)
+        loop = asyncio.get_running_loop()
+        first_write, second_write = loop.create_future(), loop.create_future()
+        first = asyncio.ensure_future(RewardingApp._ack_when_written(host, stream, ["a1", "a2"], [first_write], None))
+        second = asyncio.ensure_future(RewardingApp._ack_when_written(host, stream, ["b1"], [second_write], first))
+        second_write.set_result(None)
+        await asyncio.sleep(0.01)
+        early = list(acked)
+        if prior_fails:
+            first_write.set_exception(ConnectionError("broker gone"))
+        else:
+            first_write.set_result(None)
+        results = await asyncio.gather(first, second, return_exceptions=True)
+        return early, acked, crashed, results
+
+    return asyncio.run(go())
+
+
+def test_batches_are_acked_in_order_when_their_changelog_writes_complete_out_of_order() -> None:
+    # faust commits past one unacked offset at the head of a partition's acks (it takes its
+    # committed offset + 1 for contiguous): a later batch acked first could commit the
+    # earlier batch's last record before it is written
+    early, acked, crashed, results = _acking()
+    assert early == []  # the second batch waits for the first
+    assert acked == ["a1", "a2", "b1"] and crashed == [] and results == [None, None]
+
+
+def test_a_failed_changelog_write_leaves_the_later_batches_unacked() -> None:
+    early, acked, crashed, results = _acking(prior_fails=True)
+    assert acked == [] and len(crashed) == 1
+    assert all(isinstance(r, ConnectionError) for r in results)
