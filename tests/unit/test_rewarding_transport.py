@@ -100,7 +100,7 @@ class Loop(Host):
         self._read_offset = defaultdict(lambda: None)  # as faust keeps them
         self._stopped, self.fetcher = asyncio.Event(), SimpleNamespace(_stopped=asyncio.Event())
         self.diag = SimpleNamespace(set_flag=lambda f: None, unset_flag=lambda f: None)
-        self._commit_every, self._n_acked, self.should_stop = None, 0, False
+        self._commit_every, self._n_acked, self.should_stop, self._seeks = None, 0, False, 0
         self.consumer_stopped_errors = ()
         self.log = SimpleNamespace(dev=lambda *a: None, exception=lambda *a: None)
 
@@ -122,6 +122,9 @@ class Loop(Host):
         if m.offset == 21:  # the revoke, as faust's consumer does it: offsets dropped, flow stopped
             self._read_offset.pop("tp", None)
             self.flow_active = False
+        if m.offset == 42:  # a seek to the committed offset (40) while the flow stays active
+            self._seeks += 1
+            self._read_offset["tp"] = 40
 
 
 def drained(offsets: range) -> Loop:
@@ -145,3 +148,9 @@ def test_deliveries_record_their_read_offsets_when_no_rebalance_intervenes() -> 
     loop = drained(range(30, 35))
     assert loop.seen == [30, 31, 32, 33, 34]
     assert loop._read_offset == {"tp": 34}
+
+
+def test_a_delivery_that_ends_after_a_seek_does_not_record_its_offset_over_the_seeks() -> None:
+    loop = drained(range(41, 43))
+    # 42's hand-over spanned the seek: recording 42 would drop 40 and 41, fetched again, as read
+    assert loop.seen == [41, 42] and loop._read_offset == {"tp": 40}
