@@ -177,7 +177,8 @@ def test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing(
             scored = {r[0] for r in conn.execute(query, {"p": project})}
         lost = [i for i, s in enumerate(session_ids) if s not in scored]
         where = sorted(partition_of(session_ids[i].encode(), 4) for i in lost)
-        return f"{len(lost)} of {len(session_ids)} unscored (sent as number {lost}), partitions {where} ids {[session_ids[i] for i in lost[:6]]}"
+        ids = [session_ids[i] for i in lost[:6]]
+        return f"{len(lost)} of {len(session_ids)} unscored (sent as number {lost}), partitions {where}, ids {ids}"
 
     first = WorkerProcess(env, tmp_path / "worker-1.log").start()
     feeder = threading.Thread(target=feed)
