@@ -39,6 +39,8 @@ from typing import Any
 import faust
 import psycopg
 from faust.sensors import Monitor
+from mode.utils.objects import cached_property
+from mode.utils.queues import FlowControlEvent
 from aiokafka.partitioner import murmur2
 from sqlalchemy.exc import OperationalError
 
@@ -125,6 +127,38 @@ class LeanMonitor(Monitor):
         pass
 
 
+class ResumeKeepsQueues(FlowControlEvent):
+    """faust's flow control of the stream queues, but resuming a flow that is already active
+    leaves the queues alone.
+
+    mode's ``FlowControlEvent.resume`` always clears every stream queue. A revoke suspends the
+    flow and clears the queues itself; recovery then resumes the flow to read the changelogs,
+    and resumes it again once the tables are recovered (``Recovery.on_recovery_completed``),
+    after it has resumed the stream partitions and sought them to their committed offsets. In
+    between, the fetch loop runs: records fetched from the committed offsets are delivered to the
+    (already active) stream queue and their read offsets recorded, and that second resume then
+    clears them. They never reach the agent, are never fetched again, and the partition's commits
+    stop there: a hole of one fetch at each partition's committed offset, the sessions in it never
+    scored (``test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing``).
+    Everything in an active flow's queues was delivered in the current generation (a rebalance
+    suspends and clears first), so keeping it is right.
+    """
+
+    def resume(self) -> None:
+        if self.is_active():  # already flowing: what the queues hold is current (class doc)
+            self._resume.set()
+            return
+        super().resume()
+
+
+class RewardingFaustApp(faust.App):
+    """faust's app with :class:`ResumeKeepsQueues` as its flow control."""
+
+    @cached_property
+    def flow_control(self) -> FlowControlEvent:
+        return ResumeKeepsQueues(loop=self.loop)
+
+
 @dataclass
 class Due:
     """A session picked for scoring in one tick."""
@@ -182,7 +216,7 @@ class RewardingApp:
             web = {"web_enabled": True, "web_port": c.web_port, "web_bind": "127.0.0.1"}
         datadir = Path(self.settings.run_dir) / "rewarding"
         datadir.mkdir(parents=True, exist_ok=True)
-        app = faust.App(
+        app = RewardingFaustApp(
             c.group_id,
             broker=[f"kafka://{b}" for b in bootstrap.split(",")],
             store="memory://",

@@ -132,3 +132,27 @@ def test_a_failed_changelog_write_leaves_the_later_batches_unacked() -> None:
     early, acked, crashed, results = _acking(prior_fails=True)
     assert acked == [] and len(crashed) == 1
     assert all(isinstance(r, ConnectionError) for r in results)
+
+
+def test_resuming_an_active_flow_keeps_the_stream_queue(tmp_path) -> None:
+    """Recovery resumes the flow a second time after it sought the stream partitions to their
+    committed offsets; records delivered in between must stay queued (mode's resume cleared
+    them: a hole at each partition's committed offset). A resume after a suspension still clears."""
+    from rewarding.app import ResumeKeepsQueues
+
+    settings = Settings(run_dir=tmp_path)
+    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
+    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
+                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    flow, queue = worker.app.flow_control, worker.events.queue
+    assert isinstance(flow, ResumeKeepsQueues) and queue._flow_control is flow and queue._clear_on_resume
+
+    flow.suspend()  # a revoke: suspend, then clear
+    flow.clear()
+    queue.put_nowait("left over")  # a delivery that got past the flow control before the suspension
+    flow.resume()  # recovery resumes the flow to read the changelogs
+    assert queue.empty() and flow.is_active()
+
+    queue.put_nowait("fetched from the committed offset")
+    flow.resume()  # recovery's second resume, once the tables are recovered
+    assert flow.is_active() and queue.qsize() == 1 and queue.get_nowait() == "fetched from the committed offset"
