@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rewarding.transport import Consumer
+from rewarding.transport import Consumer, _Started
 
 
 class Host(SimpleNamespace):
@@ -50,6 +50,69 @@ def test_deliveries_complete_in_order_and_share_one_watcher() -> None:
     host, seen = run(go())
     assert seen == list(range(50))
     assert host.watchers == 1  # not one watcher (three tasks in faust) per message
+
+
+def test_a_delivery_that_never_waits_runs_at_once_with_no_task_or_watcher() -> None:
+    async def go():
+        host, seen = Host(), []
+
+        async def callback(message):
+            seen.append(message)  # the conductor's put on a queue with room: no wait
+
+        tasks_before = len(asyncio.all_tasks())
+        for m in range(5):
+            await host.deliver(callback, m)
+            assert seen[-1] == m  # delivered before the hand-over returns
+        return host, seen, len(asyncio.all_tasks()) - tasks_before
+
+    host, seen, new_tasks = run(go())
+    assert seen == list(range(5)) and host.watchers == 0 and host._abort is None and new_tasks == 0
+
+
+def started(coro):
+    """``coro`` run up to its first wait, and a task driving the rest (as ``_deliver`` does)."""
+    waiting_on = coro.send(None)
+    return asyncio.ensure_future(_Started(coro, waiting_on))
+
+
+def test_a_started_delivery_finishes_in_its_task_with_its_result() -> None:
+    async def go():
+        gate, steps = asyncio.Event(), []
+
+        async def delivery():
+            steps.append("before")
+            await gate.wait()
+            await asyncio.sleep(0)
+            steps.append("after")
+            return "done"
+
+        task = started(delivery())
+        assert steps == ["before"]
+        await asyncio.sleep(0.01)
+        assert not task.done()  # still waiting on the gate
+        gate.set()
+        return await task, steps
+
+    assert run(go()) == ("done", ["before", "after"])
+
+
+def test_a_started_delivery_cancelled_before_its_task_ran_is_cancelled_at_its_wait() -> None:
+    async def go():
+        cleaned = []
+
+        async def delivery():
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cleaned.append(True)
+
+        task = started(delivery())
+        task.cancel()  # before the task's first step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return task.cancelled(), cleaned
+
+    assert run(go()) == (True, [True])
 
 
 def test_a_blocked_delivery_is_abandoned_when_the_flow_is_suspended() -> None:
