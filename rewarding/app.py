@@ -97,12 +97,16 @@ class LeanMonitor(Monitor):
     """faust's Monitor without its per-message, per-event, per-table-access and per-send
     bookkeeping (statistics for faust's web views, which the worker does not serve; its own
     metrics are Prometheus counters). Each of those hooks runs several times per event: ~2 %
-    of a busy worker's CPU. Rebalance, assignment and commit statistics are kept."""
+    of a busy worker's CPU. Rebalance, assignment and commit statistics are kept, and so is
+    each partition's last stream event time (``stream_inbound_time``): faust's consumer reads it
+    to tell a stalled stream ("Stream has not started processing ...", logged as an error) from a
+    busy one; without it, every partition with a backlog was reported stalled after 5 minutes."""
 
     def on_message_in(self, tp: Any, offset: int, message: Any) -> None:
         pass
 
     def on_stream_event_in(self, tp: Any, offset: int, stream: Any, event: Any) -> None:
+        self.stream_inbound_time[tp] = time.monotonic()
         return None
 
     def on_stream_event_out(self, tp: Any, offset: int, stream: Any, event: Any, state: Any = None) -> None:

@@ -156,3 +156,24 @@ def test_resuming_an_active_flow_keeps_the_stream_queue(tmp_path) -> None:
     queue.put_nowait("fetched from the committed offset")
     flow.resume()  # recovery's second resume, once the tables are recovered
     assert flow.is_active() and queue.qsize() == 1 and queue.get_nowait() == "fetched from the committed offset"
+
+
+def test_the_lean_monitor_keeps_what_the_stall_check_reads(tmp_path) -> None:
+    """faust's consumer calls a partition's stream stalled (an error in the log) when its monitor has
+    no recent ``stream_inbound_time`` for it while the partition has a backlog."""
+    import time
+
+    from faust.types import TP
+
+    from rewarding.app import LeanMonitor
+
+    settings = Settings(run_dir=tmp_path)
+    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
+    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
+                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    monitor, tp = worker.app.monitor, TP("t.events", 1)
+    assert isinstance(monitor, LeanMonitor)
+    before = time.monotonic()
+    assert monitor.on_stream_event_in(tp, 7, None, None) is None
+    assert before <= monitor.stream_inbound_time[tp] <= time.monotonic()
+    assert monitor.events_total == 0  # the web views' statistics stay off
