@@ -307,7 +307,7 @@ def worker_command(profile_path: Path | None) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="rewarding throughput and latency")
-    parser.add_argument("--sessions", type=int, default=10_000, help="backlog sessions (default 10,000; see the module doc)")
+    parser.add_argument("--sessions", type=int, default=10_000, help="backlog sessions (see the module doc)")
     parser.add_argument("--live", type=int, default=300, help="live sessions for the latency phase")
     parser.add_argument("--rate", type=float, default=50.0, help="live sessions per second")
     parser.add_argument("--window", type=float, default=1.0, help="feedback window of the live phase, seconds")
