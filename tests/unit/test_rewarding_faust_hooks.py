@@ -11,12 +11,17 @@ from rewarding.topics import Topics
 from rewarding.transport import ConsumerThread
 
 
+def worker_app(settings: Settings) -> RewardingApp:
+    """A rewarding worker built from ``settings`` (nothing connects: no broker, no database)."""
+    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
+    db_url = "postgresql+psycopg://nobody@127.0.0.1:1/none"
+    return RewardingApp(settings, "127.0.0.1:1", db_url, scorer, Topics("t.events", "t.scored", 2))
+
+
 def test_worker_app_uses_the_changelog_and_fetch_hooks(tmp_path) -> None:
     settings = Settings(run_dir=tmp_path)
     settings.rewarding.fetch_max_wait_s = 0.05
-    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
-    db_url = "postgresql+psycopg://nobody@127.0.0.1:1/none"
-    worker = RewardingApp(settings, "127.0.0.1:1", db_url, scorer, Topics("t.events", "t.scored", 2))
+    worker = worker_app(settings)
     assert isinstance(worker.table, ChangelogTable) and isinstance(worker.marks, ChangelogTable)
     assert isinstance(worker.app.tables.recovery, ChangelogEndRecovery)
     consumer = worker.app.consumer
@@ -35,9 +40,7 @@ def test_eviction_drops_every_stale_state_in_one_pass(tmp_path, monkeypatch) -> 
     settings = Settings(run_dir=tmp_path)
     settings.rewarding.state_retention_s = 60.0
     settings.rewarding.finalize_batch_max = 7
-    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
-    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
-                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    worker = worker_app(settings)
     sent: list[tuple[bytes, object]] = []
     def send(self, partition, key, value, *args, **kwargs):  # what the broker would get
         sent.append((key, value))
@@ -67,9 +70,7 @@ def test_eviction_drops_every_stale_state_in_one_pass(tmp_path, monkeypatch) -> 
 def test_the_watchdog_counts_a_rebalance_but_not_a_recovery(tmp_path, monkeypatch) -> None:
     settings = Settings(run_dir=tmp_path)
     settings.rewarding.rebalance_watchdog_s = 60.0
-    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
-    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
-                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    worker = worker_app(settings)
     recovering = {"now": False}
     monkeypatch.setattr(type(worker.app), "in_recovery", property(lambda self: recovering["now"]))
     assert worker.rebalance_stuck_for(1000.0) is None  # not rebalancing
@@ -140,10 +141,7 @@ def test_resuming_an_active_flow_keeps_the_stream_queue(tmp_path) -> None:
     them: a hole at each partition's committed offset). A resume after a suspension still clears."""
     from rewarding.app import ResumeKeepsQueues
 
-    settings = Settings(run_dir=tmp_path)
-    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
-    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
-                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    worker = worker_app(Settings(run_dir=tmp_path))
     flow, queue = worker.app.flow_control, worker.events.queue
     assert isinstance(flow, ResumeKeepsQueues) and queue._flow_control is flow and queue._clear_on_resume
 
@@ -167,10 +165,7 @@ def test_the_lean_monitor_keeps_what_the_stall_check_reads(tmp_path) -> None:
 
     from rewarding.app import LeanMonitor
 
-    settings = Settings(run_dir=tmp_path)
-    scorer = Scorer.from_settings(settings.rewarding, lambda: "http://127.0.0.1:1")
-    worker = RewardingApp(settings, "127.0.0.1:1", "postgresql+psycopg://nobody@127.0.0.1:1/none", scorer,
-                          Topics("t.events", "t.scored", 2))  # fmt: skip
+    worker = worker_app(Settings(run_dir=tmp_path))
     monitor, tp = worker.app.monitor, TP("t.events", 1)
     assert isinstance(monitor, LeanMonitor)
     before = time.monotonic()
