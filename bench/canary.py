@@ -163,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             "aa_promotion_median_sessions": summaries["aa"]["promotion_median_sessions"],
             "aa_promotion_median_total_sessions": summaries["aa"]["promotion_median_total_sessions"],
             "aa_min_rate_per_s_for_max_duration": (
-                None if summaries["aa"]["promotion_p95_total_sessions"] is None
+                None
+                if summaries["aa"]["promotion_p95_total_sessions"] is None
                 else round(summaries["aa"]["promotion_p95_total_sessions"] / settings.max_duration_s, 4)
             ),
             "aa_promotion_median_hours": (
-                None if summaries["aa"]["promotion_median_total_sessions"] is None
+                None
+                if summaries["aa"]["promotion_median_total_sessions"] is None
                 else round(summaries["aa"]["promotion_median_total_sessions"] / args.rate / 3600, 3)
             ),
         }

@@ -59,7 +59,9 @@ def _settings(run_dir: Path):
         update={
             "run_dir": run_dir,
             "environment": "test",
-            "kafka": base.kafka.model_copy(update={"local_port": 19592, "topic_prefix": f"bench{uuid.uuid4().hex[:6]}"}),
+            "kafka": base.kafka.model_copy(
+                update={"local_port": 19592, "topic_prefix": f"bench{uuid.uuid4().hex[:6]}"}
+            ),
             "postgres": base.postgres.model_copy(update={"embedded_port": 19593}),
             "ingest": base.ingest.model_copy(update={"max_poll_interval_ms": 6000}),
         }
@@ -319,8 +321,7 @@ def main() -> None:
         raw.update(raw_consume_rates(bootstrap, raw_topic, args.events, "after"))
         raw.update(bracketed_baseline(raw))
         print(f"raw after: {json.dumps({k: round(v) for k, v in raw.items()})}", flush=True)
-        lat = sdk_latency(settings, bootstrap, conninfo, rate=e2e["e2e_events_per_s"] / 2,
-                          seconds=args.latency_seconds)
+        lat = sdk_latency(settings, bootstrap, conninfo, rate=e2e["e2e_events_per_s"] / 2, seconds=args.latency_seconds)
         print(f"latency: {json.dumps({k: round(v, 3) for k, v in lat.items()})}", flush=True)
     finally:
         if consumer is not None:

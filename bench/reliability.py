@@ -262,7 +262,9 @@ class Soak:
         try:
             progress = json.loads((self.work / "soak-progress.json").read_text())
             with engine.connect() as conn:
-                stored = conn.execute(text("SELECT count(*) FROM raw_events WHERE project = :p"), {"p": self.project}).scalar_one()
+                stored = conn.execute(
+                    text("SELECT count(*) FROM raw_events WHERE project = :p"), {"p": self.project}
+                ).scalar_one()
                 scored = conn.execute(
                     text("SELECT count(DISTINCT session_id) FROM rewards WHERE project = :p"), {"p": self.project}
                 ).scalar_one()
@@ -286,7 +288,8 @@ class Soak:
         while time.monotonic() < deadline:  # the backlog, if any, drains; then every session is scored
             with engine.connect() as conn:
                 stored, distinct = conn.execute(
-                    text("SELECT count(*), count(DISTINCT event_id) FROM raw_events WHERE project = :p"), {"p": self.project}
+                    text("SELECT count(*), count(DISTINCT event_id) FROM raw_events WHERE project = :p"),
+                    {"p": self.project},
                 ).one()
                 scored = conn.execute(
                     text("SELECT count(DISTINCT session_id) FROM rewards WHERE project = :p"), {"p": self.project}
@@ -315,6 +318,7 @@ def _growth(samples: list[dict[str, Any]]) -> dict[str, Any]:
         growth[name] = round(100.0 * (after - before) / before, 1) if before else None
     lag: dict[str, dict[str, Any]] = {}
     for group in samples[-1]["lag"]:
+
         def peak(part: list[dict[str, Any]], g: str = group) -> int | None:
             return max((s["lag"][g] for s in part if s["lag"].get(g) is not None), default=None)
 

@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,9 @@ def noop_faust(bootstrap: str, topic: str, sessions: int, run_dir: Path) -> floa
     out = run_dir / "noop.json"
     proc = subprocess.run(
         [sys.executable, __file__, "--noop", bootstrap, topic, str(sessions), str(out)],
-        cwd=run_dir, capture_output=True, timeout=600,
+        cwd=run_dir,
+        capture_output=True,
+        timeout=600,
     )
     if not out.exists():
         raise RuntimeError(f"the no-op faust agent failed: {proc.stdout[-2000:]!r} {proc.stderr[-2000:]!r}")
@@ -190,9 +192,16 @@ def run_noop(bootstrap: str, topic: str, sessions: int, out: Path) -> None:
 
     mode.loop.use("uvloop")
     app = faust.App(
-        f"noop-{uuid.uuid4().hex[:8]}", broker=f"kafka://{bootstrap}", store="memory://", web_enabled=False,
-        consumer_auto_offset_reset="earliest", broker_session_timeout=6, broker_rebalance_timeout=6,
-        broker_max_poll_interval=300, topic_partitions=PARTITIONS, datadir=str(out.parent / "noop-data"),
+        f"noop-{uuid.uuid4().hex[:8]}",
+        broker=f"kafka://{bootstrap}",
+        store="memory://",
+        web_enabled=False,
+        consumer_auto_offset_reset="earliest",
+        broker_session_timeout=6,
+        broker_rebalance_timeout=6,
+        broker_max_poll_interval=300,
+        topic_partitions=PARTITIONS,
+        datadir=str(out.parent / "noop-data"),
     )
     source = app.topic(topic, key_serializer="raw", value_serializer="raw", partitions=PARTITIONS)
     seen = {"ended": 0, "started": 0.0}
@@ -242,7 +251,7 @@ def live_latency(producer, topic: str, db_url: str, project: str, n: int, rate: 
     while len(seen) < n:
         now = time.monotonic()
         if sent < n and now >= next_send:
-            b = arith_session(rng, project=project, at=datetime.now(timezone.utc), step=timedelta(milliseconds=1))
+            b = arith_session(rng, project=project, at=datetime.now(UTC), step=timedelta(milliseconds=1))
             produce(producer, topic, b.events)
             final_at[b.session_id] = b.events[-1].occurred_at.timestamp() + window
             sent += 1
@@ -271,7 +280,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def backlog_of(rng: random.Random, project: str, sessions: int) -> list[list]:
     """``sessions`` calculator sessions that ended half an hour ago (due at once)."""
-    long_ago = datetime.now(timezone.utc) - timedelta(minutes=30)
+    long_ago = datetime.now(UTC) - timedelta(minutes=30)
     return [arith_session(rng, project=project, at=long_ago).events for _ in range(sessions)]
 
 
@@ -350,7 +359,8 @@ def main() -> int:
         launched = time.time()
         workers = [
             WorkerProcess(
-                env, run_dir / f"worker-{i}.log",
+                env,
+                run_dir / f"worker-{i}.log",
                 command=worker_command(run_dir / f"worker-{i}.prof" if args.profile else None),
             ).launch()
             for i in range(args.workers)

@@ -119,7 +119,7 @@ async def _load(base_url: str, model: str, concurrency: int, max_tokens: int, st
                         result.failures.append(f"HTTP {resp.status}: {data[:200]!r}")
                         continue
                     version = resp.headers.get("x-flywheel-policy-version", "direct")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            except (TimeoutError, aiohttp.ClientError) as err:
                 result.failures.append(f"{type(err).__name__}: {err}")
                 continue
             result.latencies_ms.append((time.perf_counter() - start) * 1000.0)
@@ -196,7 +196,9 @@ def _insert_rows(engine: Any, urls: list[str], base: str, base_dir: Path, alt: s
             s.add(Checkpoint(id=version, policy_version=version, parent_id=parent, base_model=str(base_dir),
                              path=str(path), format="full", status="deployed"))  # fmt: skip
             s.flush()
-        stable = Deployment(fleet=FLEET, checkpoint_id=base, role="stable", weight=1.0, status="active", created_by="bench")
+        stable = Deployment(
+            fleet=FLEET, checkpoint_id=base, role="stable", weight=1.0, status="active", created_by="bench"
+        )
         s.add(stable)
         s.flush()
         for i, url in enumerate(urls):
@@ -218,7 +220,9 @@ def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Pope
         "FLYWHEEL_SERVING__REFRESH_S": str(settings.serving.refresh_s),
     }
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "serving.router"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "serving.router"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
 
 
 def _wait_routable(router_url: str, urls: set[str], timeout_s: float = 60.0) -> None:
@@ -319,7 +323,7 @@ class CpuLayout:
             except OSError:  # a thread that ended meanwhile
                 pass
 
-    def __enter__(self) -> "CpuLayout":
+    def __enter__(self) -> CpuLayout:
         if self.enabled:
             self._pin(_threads_of_tree(self.replica_pid), self.replica_cores)
             self._pin(_threads_of_tree(self.router_pid), self.client_cores)
@@ -338,7 +342,9 @@ class CpuLayout:
     def describe(self) -> str:
         if not self.enabled:
             return "shared"
-        return f"replica0 cores {sorted(self.replica_cores)}, load generator and router cores {sorted(self.client_cores)}"
+        return (
+            f"replica0 cores {sorted(self.replica_cores)}, load generator and router cores {sorted(self.client_cores)}"
+        )
 
 
 # -- phases ----------------------------------------------------------------------------------
@@ -375,7 +381,9 @@ def router_vs_direct(direct_url: str, router_url: str, model: str, args: argpars
     """The same load direct and through the router: at ``--concurrency`` (the figures) and at 1 (added latency alone)."""
     run_load(direct_url, model, args.concurrency, args.max_tokens, 3.0)  # warm both paths
     run_load(router_url, model, args.concurrency, args.max_tokens, 3.0)
-    direct, routed, cpu = alternate(direct_url, router_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds)
+    direct, routed, cpu = alternate(
+        direct_url, router_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds
+    )
     out: dict[str, Any] = {**_summary("direct", direct), **_summary("router", routed)}
     out["router_vs_direct_throughput"] = out["router_req_per_s"] / out["direct_req_per_s"]
     out["router_added_p50_ms"] = out["router_p50_ms"] - out["direct_p50_ms"]
@@ -420,7 +428,7 @@ def rolling_swaps(engine: Any, settings: Any, router_url: str, urls: list[str], 
         seen = load.finish()
     pauses = [s.pause_ms for s in results if s.pause_ms]
     return {
-        "swaps": sum(1 for i in range(0, len(results), 2) if all(s.ok for s in results[i:i + 2])),
+        "swaps": sum(1 for i in range(0, len(results), 2) if all(s.ok for s in results[i : i + 2])),
         "replica_swaps": len(results),
         "replica_swaps_failed": sum(1 for s in results if not s.ok),
         "swap_seconds": time.monotonic() - started,
@@ -443,13 +451,21 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=5.0, help="length of one round per path")
-    parser.add_argument("--rounds", type=int, default=8,
-                        help="alternating direct/router rounds (many short ones: the machine's drift hits both alike)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=8,
+        help="alternating direct/router rounds (many short ones: the machine's drift hits both alike)",
+    )
     parser.add_argument("--swaps", type=int, default=20)
     parser.add_argument("--c1-seconds", type=float, default=5.0, help="round length at concurrency 1 (0: skip)")
     parser.add_argument("--c1-rounds", type=int, default=4, help="alternating rounds at concurrency 1")
-    parser.add_argument("--layout", choices=["fixed", "shared"], default="fixed",
-                        help="phase 1 CPU placement: fixed (replica 0 apart from the clients and router) or shared")
+    parser.add_argument(
+        "--layout",
+        choices=["fixed", "shared"],
+        default="fixed",
+        help="phase 1 CPU placement: fixed (replica 0 apart from the clients and router) or shared",
+    )
     args = parser.parse_args()
 
     from flywheel.db.engine import get_engine

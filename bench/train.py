@@ -100,8 +100,11 @@ def orchestrate(args: argparse.Namespace) -> int:
             for side in ("ours", "trl"):
                 result = run_subprocess(side, path, args)
                 results[side].append(result)
-                print(f"round {round_ + 1} {side:4s}: {result['tokens_per_s']:8.0f} tokens/s, peak {result['peak_mb']:7.1f} MB, "
-                      f"loss {result['first_loss']:+.4f} -> {result['last_loss']:+.4f}", flush=True)
+                print(
+                    f"round {round_ + 1} {side:4s}: {result['tokens_per_s']:8.0f} tokens/s, peak {result['peak_mb']:7.1f} MB, "
+                    f"loss {result['first_loss']:+.4f} -> {result['last_loss']:+.4f}",
+                    flush=True,
+                )
     ours_tps = statistics.median(r["tokens_per_s"] for r in results["ours"])
     trl_tps = statistics.median(r["tokens_per_s"] for r in results["trl"])
     ours_mb = statistics.median(r["peak_mb"] for r in results["ours"])
@@ -137,8 +140,18 @@ def load_rollouts_module() -> Any:
 
 def run_subprocess(side: str, batch: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One side in a fresh interpreter; its last stdout line is its JSON result."""
-    command = [sys.executable, __file__, "--side", side, "--batch", str(batch), "--steps", str(args.steps),
-               "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        __file__,
+        "--side",
+        side,
+        "--batch",
+        str(batch),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"{side} side failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -212,7 +225,9 @@ def make_ours(model: Any, tokenizer: Any, samples: list[dict[str, Any]]) -> Any:
     model.train()
 
     def run() -> float:
-        metrics = optimizer_step(module, optimizer, params, step_samples, config, tokenizer.pad_token_id, DistInfo(), device)
+        metrics = optimizer_step(
+            module, optimizer, params, step_samples, config, tokenizer.pad_token_id, DistInfo(), device
+        )
         return metrics["loss"]
 
     return run
@@ -267,8 +282,8 @@ def make_trl(model: Any, tokenizer: Any, samples: list[dict[str, Any]], device: 
         old = torch.zeros((n, width_c), dtype=torch.float32)
         for i, s in enumerate(samples):
             p, c = s["prompt_ids"], s["completion_ids"]
-            prompt_ids[i, width_p - len(p):] = torch.tensor(p)
-            prompt_mask[i, width_p - len(p):] = 1
+            prompt_ids[i, width_p - len(p) :] = torch.tensor(p)
+            prompt_mask[i, width_p - len(p) :] = 1
             completion_ids[i, : len(c)] = torch.tensor(c)
             completion_mask[i, : len(c)] = 1
             tool_mask[i, : len(c)] = torch.tensor(s["mask"])

@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class KeyInfo:
         return self.revoked_at is None
 
 
-def _info(row: "ApiKey") -> KeyInfo:
+def _info(row: ApiKey) -> KeyInfo:
     return KeyInfo(
         id=row.id,
         name=row.name,
@@ -103,7 +103,7 @@ def _info(row: "ApiKey") -> KeyInfo:
 
 
 def create_key(
-    session: "Session",
+    session: Session,
     *,
     name: str,
     role: str,
@@ -131,7 +131,7 @@ def create_key(
     return _info(row), token
 
 
-def find_key(session: "Session", token: str, *, touch: bool = False) -> KeyInfo | None:
+def find_key(session: Session, token: str, *, touch: bool = False) -> KeyInfo | None:
     """The key that ``token`` is, revoked or not, or None if no stored hash matches.
 
     ``touch`` records the use in ``last_used_at`` (the caller commits).
@@ -145,11 +145,11 @@ def find_key(session: "Session", token: str, *, touch: bool = False) -> KeyInfo 
     if row is None or not verify(token, row.token_hash):
         return None
     if touch:
-        row.last_used_at = datetime.now(timezone.utc)
+        row.last_used_at = datetime.now(UTC)
     return _info(row)
 
 
-def list_keys(session: "Session", *, role: str | None = None, project: str | None = None) -> list[KeyInfo]:
+def list_keys(session: Session, *, role: str | None = None, project: str | None = None) -> list[KeyInfo]:
     """Every key (newest first), optionally of one role and/or project; never the tokens."""
     from sqlalchemy import select
 
@@ -163,7 +163,7 @@ def list_keys(session: "Session", *, role: str | None = None, project: str | Non
     return [_info(row) for row in session.scalars(query)]
 
 
-def revoke_key(session: "Session", key_id: int) -> KeyInfo:
+def revoke_key(session: Session, key_id: int) -> KeyInfo:
     """Mark key ``key_id`` revoked (idempotent: a revoked key keeps its first revocation time)."""
     from flywheel.db.models import ApiKey
 
@@ -171,6 +171,6 @@ def revoke_key(session: "Session", key_id: int) -> KeyInfo:
     if row is None:
         raise KeyNotFound(f"no API key with id {key_id}")
     if row.revoked_at is None:
-        row.revoked_at = datetime.now(timezone.utc)
+        row.revoked_at = datetime.now(UTC)
         session.flush()
     return _info(row)

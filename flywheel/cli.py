@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import typer
 
-from flywheel.model.cli import app as model_app
-from flywheel.stack.cli import down_command, up_command
 from flywheel.contracts.cli import app as contracts_app
 from flywheel.db.cli import app as db_app
+from flywheel.model.cli import app as model_app
+from flywheel.stack.cli import down_command, up_command
 from ingest.cli import app as ingest_app
 from ingest.cli import keys_app
 from rewarding.main import app as rewards_app
@@ -41,7 +41,9 @@ app.add_typer(contracts_app, name="contracts", help="Event contracts: JSON Schem
 @app.command()
 def demo(
     inject_regression: bool = typer.Option(
-        False, "--inject-regression", help="Also deploy a deliberately damaged checkpoint as canary and show it rolled back."
+        False,
+        "--inject-regression",
+        help="Also deploy a deliberately damaged checkpoint as canary and show it rolled back.",
     ),
     minutes: float = typer.Option(20.0, min=1.0, help="Longest the learning phase runs."),
     target_gain: float = typer.Option(25.0, help="Stop early at this held-out gain (points) ..."),

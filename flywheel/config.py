@@ -117,7 +117,7 @@ class ModelSettings(BaseModel):
     """Supervised pre-training steps on the synthetic task's corpus."""
 
     @model_validator(mode="after")
-    def _head_dim(self) -> "ModelSettings":
+    def _head_dim(self) -> ModelSettings:
         if self.hidden_size % self.num_heads:
             raise ValueError("model.hidden_size must be divisible by model.num_heads")
         if self.hidden_size // self.num_heads < 64:
@@ -288,7 +288,7 @@ class TrainerSettings(BaseModel):
     """Retention keeps every checkpoint deployed now or within this many days."""
 
     @model_validator(mode="after")
-    def _sample_bounds(self) -> "TrainerSettings":
+    def _sample_bounds(self) -> TrainerSettings:
         if self.min_samples > self.max_samples:
             raise ValueError("trainer.min_samples must not exceed trainer.max_samples")
         return self
@@ -379,7 +379,7 @@ class RubricSettings(BaseModel):
     """Highest score the format allows (normalised to 1)."""
 
     @model_validator(mode="after")
-    def _range(self) -> "RubricSettings":
+    def _range(self) -> RubricSettings:
         if self.max_score <= self.min_score:
             raise ValueError("rubric max_score must exceed min_score")
         return self
@@ -696,7 +696,7 @@ class CanarySettings(BaseModel):
     """A ``hold`` is also written when the canary's sample grew by this fraction since the last written decision."""
 
     @model_validator(mode="after")
-    def _ranges(self) -> "CanarySettings":
+    def _ranges(self) -> CanarySettings:
         if any(not 0.0 < w <= 1.0 for w in self.steps) or self.steps != sorted(set(self.steps)):
             raise ValueError(f"canary.steps must be increasing weights in (0, 1], got {self.steps}")
         if self.reward_max <= self.reward_min:
@@ -828,7 +828,7 @@ class Settings(BaseSettings):
     """Router, hot swap, canary controller and admin API."""
 
     @model_validator(mode="after")
-    def _no_placeholder_secrets(self) -> "Settings":
+    def _no_placeholder_secrets(self) -> Settings:
         if self.environment == "production":
             value = self.secret_key.get_secret_value()
             if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-") or len(value) < 16:

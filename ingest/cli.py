@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Optional
 
 import typer
 
@@ -27,7 +26,7 @@ def _settings():
     return get_settings()
 
 
-def _db_url(url: Optional[str]) -> str:
+def _db_url(url: str | None) -> str:
     if url:
         return url
     from flywheel.stack.endpoints import postgres_url
@@ -43,7 +42,7 @@ def _logging(level: str) -> None:
 @app.command()
 def topics(
     check: bool = typer.Option(False, "--check", help="Only check; create nothing."),
-    bootstrap: Optional[str] = typer.Option(None, help="Broker (default: settings, else the local stack)."),
+    bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
 ) -> None:
     """Create the events and dead-letter topics if missing, and check them; exit 1 on a mismatch."""
     from flywheel.stack.endpoints import kafka_bootstrap
@@ -62,8 +61,8 @@ def topics(
 
 @app.command()
 def consume(
-    bootstrap: Optional[str] = typer.Option(None, help="Broker (default: settings, else the local stack)."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
+    bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
     migrate: bool = typer.Option(False, help="Apply database migrations first."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
@@ -99,9 +98,9 @@ def consume(
 
 @app.command()
 def gateway(
-    host: Optional[str] = typer.Option(None, help="Bind address (default: ingest.gateway_host)."),
-    port: Optional[int] = typer.Option(None, help="Port (default: ingest.gateway_port)."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL of the write keys."),
+    host: str | None = typer.Option(None, help="Bind address (default: ingest.gateway_host)."),
+    port: int | None = typer.Option(None, help="Port (default: ingest.gateway_port)."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL of the write keys."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve the HTTP gateway (POST /v1/events; /metrics, /docs and /openapi.json behind a key)."""
@@ -122,10 +121,10 @@ def gateway(
 
 @app.command()
 def report(
-    project: Optional[str] = typer.Option(None, help="Only this project."),
+    project: str | None = typer.Option(None, help="Only this project."),
     limit: int = typer.Option(1000, min=1, help="Most rows per section."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """List feedback/outcomes whose session has no session_start or is not known yet, and dead letters."""
     from flywheel.stack.endpoints import libpq_conninfo
@@ -155,8 +154,8 @@ def report(
 
 @app.command()
 def check(
-    bootstrap: Optional[str] = typer.Option(None, help="Broker (default: settings, else the local stack)."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
+    bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
 ) -> None:
     """Health check: the broker has the events topic and the database has the ingest tables; exit 1 if not."""
     from flywheel.stack.endpoints import kafka_bootstrap, libpq_conninfo
@@ -201,8 +200,8 @@ def _health_problems(settings, bootstrap: str, conninfo: str) -> list[str]:
 def keys_create(
     project: str = typer.Option(..., help="The project the key may write for."),
     name: str = typer.Option(..., help="A name to recognise the key by."),
-    created_by: Optional[str] = typer.Option(None, help="Who asked for it (recorded)."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL."),
+    created_by: str | None = typer.Option(None, help="Who asked for it (recorded)."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """Create a write key and print its token once (only its hash is stored)."""
     from flywheel.auth import create_key
@@ -217,8 +216,8 @@ def keys_create(
 
 @keys_app.command("list")
 def keys_list(
-    project: Optional[str] = typer.Option(None, help="Only this project's keys."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL."),
+    project: str | None = typer.Option(None, help="Only this project's keys."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """List write keys (id, prefix, project, name, state); never the tokens."""
     from flywheel.auth import list_keys
@@ -235,7 +234,7 @@ def keys_list(
 @keys_app.command("revoke")
 def keys_revoke(
     key_id: int = typer.Argument(..., help="Id of the key (from `keys list`)."),
-    db_url: Optional[str] = typer.Option(None, "--db-url", help="Database URL."),
+    db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """Revoke a write key (the gateway refuses it within its cache time, 10 s)."""
     from flywheel.auth import KeyNotFound, revoke_key

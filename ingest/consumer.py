@@ -27,9 +27,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timedelta, timezone
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from pydantic_core import from_json
@@ -174,7 +174,7 @@ def _contract_dead_letter(record: RecordLike, value: bytes, project: str | None)
 def _unattached(record: RecordLike, event: Feedback, text: str) -> UnattachedRow:
     completion_id = event.completion_id
     assert completion_id is not None  # the contract requires it when session_id is omitted
-    completion_at = datetime.fromtimestamp(uuid7_time_ms(completion_id) / 1000, timezone.utc)
+    completion_at = datetime.fromtimestamp(uuid7_time_ms(completion_id) / 1000, UTC)
     return UnattachedRow(
         event_id=event.event_id,
         project=event.project,

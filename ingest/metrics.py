@@ -43,9 +43,7 @@ BATCH_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 GATEWAY_ACCEPTED = Counter("flywheel_ingest_accepted", "Events the gateway accepted (acked by Kafka).", ["project"])
-GATEWAY_REJECTED = Counter(
-    "flywheel_ingest_rejected", "Events the gateway rejected, by reason kind.", ["kind"]
-)
+GATEWAY_REJECTED = Counter("flywheel_ingest_rejected", "Events the gateway rejected, by reason kind.", ["kind"])
 GATEWAY_REQUESTS = Counter("flywheel_ingest_gateway_requests", "Gateway requests to /v1/events, by status.", ["status"])
 
 

@@ -227,17 +227,21 @@ RETURNING id
 """
 
 
-INSERT_UNATTACHED = """
+INSERT_UNATTACHED = (
+    """
 INSERT INTO pending_feedback (event_id, project, completion_id, completion_at, occurred_at, payload, session_id,
                               resolved_at)
 SELECT u.event_id, u.project, u.completion_id, u.completion_at, u.occurred_at, u.payload::jsonb, c.session_id,
        CASE WHEN c.session_id IS NOT NULL THEN now() END
 FROM unnest(%b::uuid[], %b::text[], %b::uuid[], %b::timestamptz[], %b::timestamptz[], %b::text[])
      AS u(event_id, project, completion_id, completion_at, occurred_at, payload)
-LEFT JOIN LATERAL (""" + COMPLETION_SESSION.format(alias="u", window="%b::interval") + """) c ON true
+LEFT JOIN LATERAL ("""
+    + COMPLETION_SESSION.format(alias="u", window="%b::interval")
+    + """) c ON true
 ON CONFLICT (event_id) DO NOTHING
 RETURNING event_id, session_id
 """
+)
 
 
 def _event_params(rows: Sequence[EventRow], source: str) -> tuple:

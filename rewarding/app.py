@@ -32,16 +32,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import faust
 import psycopg
+from aiokafka.partitioner import murmur2
 from faust.sensors import Monitor
 from mode.utils.objects import cached_property
 from mode.utils.queues import FlowControlEvent
-from aiokafka.partitioner import murmur2
 from sqlalchemy.exc import OperationalError
 
 from flywheel.config import Settings
@@ -515,7 +515,7 @@ class RewardingApp:
     ) -> list[bool]:
         """Publish every version written now (or stored identically, and not yet sent), with its samples."""
         sent: list[bool] = []
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         for s, result, before in zip(scored, results, sent_before):
             unsent = result.version is not None and before < result.version
             fresh = result.written or (result.identical and unsent)
@@ -627,6 +627,6 @@ class RewardingApp:
 
     async def refresh_detectors(self) -> None:
         """The timer that refreshes the detector gauges from Postgres."""
-        since = datetime.now(timezone.utc) - timedelta(seconds=self.conf.detectors.window_s)
+        since = datetime.now(UTC) - timedelta(seconds=self.conf.detectors.window_s)
         report = await asyncio.to_thread(detector_report, self.db_url, since, self.conf.detectors)
         metrics.publish_report(report)

@@ -96,7 +96,11 @@ class _RealEnds:
             if end != (reported.get(tp) or 0):
                 log.info(
                     "changelog %s[%d]: broker reported end offset %s, records reach %d (recovering to %d)",
-                    tp.topic, tp.partition, reported.get(tp), end, end,
+                    tp.topic,
+                    tp.partition,
+                    reported.get(tp),
+                    end,
+                    end,
                 )
         return ends
 

@@ -18,9 +18,9 @@ reads these from :func:`detector_report` (or the worker's Prometheus gauges).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Iterable
 
 from flywheel.config import DetectorSettings, ShiftBound
 from flywheel.contracts.events import FeedbackKind

@@ -66,9 +66,7 @@ def _json_leaf(key: str) -> bool:
 class WorkerProcess:
     """One ``flywheel-rewarding worker`` process, its log in a file."""
 
-    def __init__(
-        self, env: dict[str, str], log_path: Path, cwd: Path | None = None, command: list[str] | None = None
-    ):
+    def __init__(self, env: dict[str, str], log_path: Path, cwd: Path | None = None, command: list[str] | None = None):
         self.env = {**os.environ, **env}
         self.log_path = log_path
         self.cwd = cwd
@@ -77,11 +75,11 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self._log_offset = 0
 
-    def start(self, ready_timeout_s: float = 120.0) -> "WorkerProcess":
+    def start(self, ready_timeout_s: float = 120.0) -> WorkerProcess:
         """Start it and wait until faust says it is ready."""
         return self.launch().wait_ready(ready_timeout_s)
 
-    def launch(self) -> "WorkerProcess":
+    def launch(self) -> WorkerProcess:
         """Start the process (without waiting for it)."""
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
@@ -95,7 +93,7 @@ class WorkerProcess:
             )
         return self
 
-    def wait_ready(self, timeout_s: float = 120.0) -> "WorkerProcess":
+    def wait_ready(self, timeout_s: float = 120.0) -> WorkerProcess:
         """Wait until faust says this run of the worker is ready."""
         wait_until(lambda: self._ready_since(self._log_offset), timeout_s, f"worker ready (log {self.log_path})")
         return self

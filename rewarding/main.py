@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from datetime import datetime, timedelta, timezone
-from typing import Optional
+from datetime import UTC, datetime, timedelta
 
 import typer
 
@@ -29,7 +28,7 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def parse_since(value: str, now: datetime | None = None) -> datetime:
     """An ISO time (``2026-12-01T00:00:00Z``) or a look-back (``90s``, ``30m``, ``2h``, ``7d``)."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     match = _DURATION.match(value.strip())
     if match:
         return now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
@@ -37,7 +36,7 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError as err:
         raise typer.BadParameter(f"{value!r} is neither an ISO time nor a duration like 2h or 7d") from err
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _judge_url(settings):
@@ -91,7 +90,7 @@ def worker(
 @app.command()
 def recompute(
     since: str = typer.Option(..., help="Sessions with an event since: ISO time or a look-back like 2h, 7d."),
-    project: Optional[str] = typer.Option(None, help="Only this project."),
+    project: str | None = typer.Option(None, help="Only this project."),
     force: bool = typer.Option(False, help="Write a new version even where input and configuration are unchanged."),
     dry_run: bool = typer.Option(False, help="Only compare with the stored rewards; write nothing."),
 ) -> None:
@@ -118,7 +117,7 @@ def recompute(
 @app.command()
 def detectors(
     since: str = typer.Option("1d", help="Rewards created since: ISO time or a look-back like 2h, 7d."),
-    baseline: Optional[str] = typer.Option(None, help="Policy version to compare against (default: the previous)."),
+    baseline: str | None = typer.Option(None, help="Policy version to compare against (default: the previous)."),
 ) -> None:
     """Reward-hacking metrics per policy version, and the shifts beyond their bounds."""
     from flywheel.config import get_settings

@@ -21,9 +21,7 @@ EXTRACTOR_FAILURES = Counter(
 )
 STORE_ERRORS = Counter("flywheel_rewarding_store_errors_total", "Reward batches not stored (database unreachable)")
 EVICTED = Counter("flywheel_rewarding_evicted_total", "Session states dropped after their retention")
-STAGE_SECONDS = Counter(
-    "flywheel_rewarding_stage_seconds_total", "Wall time spent per processing stage", ["stage"]
-)
+STAGE_SECONDS = Counter("flywheel_rewarding_stage_seconds_total", "Wall time spent per processing stage", ["stage"])
 """stage: ``apply`` (parse + table), ``score``, ``store``, ``publish``, ``mark``."""
 OPEN_SESSIONS = Gauge("flywheel_rewarding_sessions_in_table", "Session states held by this worker")
 FINALIZE_LAG = Histogram(
@@ -32,8 +30,11 @@ FINALIZE_LAG = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
 )
 DETECTOR = Gauge("flywheel_rewarding_detector", "Reward-hacking detector metric", ["policy_version", "metric"])
-DETECTOR_FLAG = Gauge("flywheel_rewarding_detector_flagged", "1 when a detector metric shifted beyond its bound",
-                      ["policy_version", "metric"])
+DETECTOR_FLAG = Gauge(
+    "flywheel_rewarding_detector_flagged",
+    "1 when a detector metric shifted beyond its bound",
+    ["policy_version", "metric"],
+)
 
 
 def publish_report(report: DetectorReport) -> None:

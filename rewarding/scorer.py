@@ -53,7 +53,7 @@ class Scorer:
         self.config_hash = config_hash(settings.scoring, self.versions)
 
     @classmethod
-    def from_settings(cls, settings: RewardingSettings, judge_url: JudgeUrl) -> "Scorer":
+    def from_settings(cls, settings: RewardingSettings, judge_url: JudgeUrl) -> Scorer:
         """A scorer with every extractor the settings weight."""
         return cls(settings, build_extractors(settings, judge_url))
 

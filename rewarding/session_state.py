@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any
 
 from flywheel.contracts.events import (
     Completion,
@@ -157,11 +158,11 @@ class SessionState:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SessionState":
+    def from_dict(cls, data: dict[str, Any]) -> SessionState:
         """The state that :meth:`to_dict` wrote."""
         return cls(**{**data, "events": dict(data["events"])})
 
-    def view(self, cache: "EventCache | None" = None) -> "Session":
+    def view(self, cache: EventCache | None = None) -> Session:
         """The parsed, ordered view of the recorded events."""
         events = []
         for key, text in self.events.items():
@@ -217,7 +218,7 @@ class Session:
     outcomes: tuple[Outcome, ...]
 
     @classmethod
-    def from_events(cls, project: str, session_id: str, events: Iterable[Event]) -> "Session":
+    def from_events(cls, project: str, session_id: str, events: Iterable[Event]) -> Session:
         """Build the view; events of another session or project are refused (ValueError)."""
         unique: dict[uuid.UUID, Event] = {}
         for event in events:

@@ -27,6 +27,7 @@ from sqlalchemy import text
 from flywheel.db.engine import get_engine
 from rewarding.scorer import ScoredSession
 
+
 def json_bytes(value: Any) -> bytes:
     """A jsonb column's value as JSON (orjson: ~5x the standard library on the worker's hot path;
     non-string keys become strings, as ``json.dumps`` makes them; NaN and infinities become
@@ -71,8 +72,21 @@ COPY_SAMPLES = (
     "components) FROM STDIN (FORMAT BINARY)"
 )
 SAMPLE_TYPES = [
-    "varchar", "varchar", "uuid", "int8", "int4", "varchar", "varchar", "varchar", "varchar",
-    "int4[]", "int4[]", "int2[]", "float8[]", "float8", "jsonb",
+    "varchar",
+    "varchar",
+    "uuid",
+    "int8",
+    "int4",
+    "varchar",
+    "varchar",
+    "varchar",
+    "varchar",
+    "int4[]",
+    "int4[]",
+    "int2[]",
+    "float8[]",
+    "float8",
+    "jsonb",
 ]
 
 
@@ -166,9 +180,7 @@ class RewardStore:
             for r in rows
         }
 
-    def write(
-        self, batch: Sequence[tuple[ScoredSession, str]], mode: Mode, force: bool = False
-    ) -> list[StoreResult]:
+    def write(self, batch: Sequence[tuple[ScoredSession, str]], mode: Mode, force: bool = False) -> list[StoreResult]:
         """Write the sessions of ``batch`` ((scored, requested reason) pairs) that :func:`decide` admits."""
         if not batch:
             return []
@@ -207,8 +219,16 @@ class RewardStore:
                 for (s, version, reason), reward_id in zip(pending, ids):
                     copy.write_row(
                         (
-                            reward_id, s.project, s.session_id, version, s.reward, Jsonb(s.components, json_bytes),
-                            Jsonb(s.extractor_versions, json_bytes), s.config_hash, s.policy_version, reason,
+                            reward_id,
+                            s.project,
+                            s.session_id,
+                            version,
+                            s.reward,
+                            Jsonb(s.components, json_bytes),
+                            Jsonb(s.extractor_versions, json_bytes),
+                            s.config_hash,
+                            s.policy_version,
+                            reason,
                         )
                     )
             with cur.copy(COPY_SAMPLES) as copy:
@@ -217,9 +237,21 @@ class RewardStore:
                     for x in s.samples:
                         copy.write_row(
                             (
-                                s.project, s.session_id, x.completion_id, reward_id, version, x.policy_version,
-                                x.group_key, x.task, x.agent_role, x.prompt_token_ids, x.completion_token_ids,
-                                x.loss_mask, x.behaviour_logprobs, x.reward, Jsonb(x.components, json_bytes),
+                                s.project,
+                                s.session_id,
+                                x.completion_id,
+                                reward_id,
+                                version,
+                                x.policy_version,
+                                x.group_key,
+                                x.task,
+                                x.agent_role,
+                                x.prompt_token_ids,
+                                x.completion_token_ids,
+                                x.loss_mask,
+                                x.behaviour_logprobs,
+                                x.reward,
+                                Jsonb(x.components, json_bytes),
                             )
                         )
         return ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flywheel.contracts.events import (
@@ -45,7 +45,7 @@ class SessionBuilder:
     ):
         self.project = project
         self.session_id = session_id or f"s-{uuid.uuid4().hex[:12]}"
-        self.clock = at or datetime.now(timezone.utc) - timedelta(minutes=5)
+        self.clock = at or datetime.now(UTC) - timedelta(minutes=5)
         self.step = step
         self.policy_version = policy_version
         self.events: list[Event] = []
@@ -100,8 +100,14 @@ class SessionBuilder:
         )
 
     def tool_result(
-        self, call_id: str, content: str = "", *, documents: list[str] | None = None, error: bool = False,
-        span: str = "root", at: datetime | None = None,
+        self,
+        call_id: str,
+        content: str = "",
+        *,
+        documents: list[str] | None = None,
+        error: bool = False,
+        span: str = "root",
+        at: datetime | None = None,
     ) -> Turn:
         """A turn carrying one tool result."""
         result = ToolResult(tool_call_id=call_id, content=content, is_error=error, document_ids=documents or [])
@@ -166,13 +172,24 @@ def arith_session(
     prompt_ids = [rng.randrange(3, 500) for _ in range(40)]
     call = ToolCall(id="c1", name="calc", arguments=problem.expression)
     first = [rng.randrange(3, 500) for _ in range(8)]
-    b.completion(arith.format_tool_call(problem.expression), tool_calls=[call], prompt=prompt,
-                 prompt_ids=prompt_ids, completion_ids=first, logprobs=[-0.1] * len(first))
+    b.completion(
+        arith.format_tool_call(problem.expression),
+        tool_calls=[call],
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        completion_ids=first,
+        logprobs=[-0.1] * len(first),
+    )
     b.tool_result("c1", str(problem.answer))
     answer = problem.answer if solved else problem.answer + 1
     second = [rng.randrange(3, 500) for _ in range(6)]
-    b.completion(arith.format_answer(answer), prompt=prompt, prompt_ids=prompt_ids + first + [9, 9, 9],
-                 completion_ids=second, logprobs=[-0.2] * len(second))
+    b.completion(
+        arith.format_answer(answer),
+        prompt=prompt,
+        prompt_ids=prompt_ids + first + [9, 9, 9],
+        completion_ids=second,
+        logprobs=[-0.2] * len(second),
+    )
     b.outcome("task_solved", solved)
     if end:
         b.end()

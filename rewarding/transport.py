@@ -206,10 +206,10 @@ class _Started(collections.abc.Coroutine):
     def __next__(self) -> Any:
         return self.send(None)
 
-    def __iter__(self) -> "_Started":
+    def __iter__(self) -> _Started:
         return self
 
-    def __await__(self) -> "_Started":
+    def __await__(self) -> _Started:
         return self
 
 

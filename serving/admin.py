@@ -52,8 +52,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.auth import KeyInfo, KeyNotFound, bearer_token, create_key, find_key, list_keys, revoke_key
 from flywheel.db.models import CHECKPOINT_STATUSES, ROLES, ApiKey, AuditLog, Checkpoint
-from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
-from serving.dashboard import install_dashboard
 from serving.admin_schemas import (
     ID_PATTERN,
     OPS_ROLES,
@@ -80,6 +78,8 @@ from serving.admin_schemas import (
     TokenPublic,
     WeightUpdate,
 )
+from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
+from serving.dashboard import install_dashboard
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -100,8 +100,18 @@ DEPLOY_ERROR_STATUS = {"not_found": 404, "conflict": 409, "invalid": 422, "faile
 """HTTP status of each ``serving.deploy.DeployError`` kind."""
 TOKEN_LOCK_KEY = 0x466C_544B
 """Advisory lock serialising token creation ('FlTK'): name uniqueness and the first-admin bootstrap."""
-ERROR_KIND = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-              409: "conflict", 413: "too_large", 422: "invalid", 502: "failed", 503: "unavailable"}
+ERROR_KIND = {
+    400: "invalid",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "too_large",
+    422: "invalid",
+    502: "failed",
+    503: "unavailable",
+}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorPublic, "description": "Missing, unknown or revoked token."},
     403: {"model": ErrorPublic, "description": "The token's role is below the route's (or it is a gateway write key)."},
@@ -126,7 +136,7 @@ class AdminError(Exception):
 # --------------------------------------------------------------------------- authentication
 
 
-def authenticate(engine: "Engine", authorization: str | None) -> KeyInfo:
+def authenticate(engine: Engine, authorization: str | None) -> KeyInfo:
     """The active key of an ``Authorization`` header (records its use), else raise a 401 :class:`AdminError`."""
     token = bearer_token(authorization)
     if token is None:
@@ -234,7 +244,7 @@ class BootstrapRefused(Exception):
     """The first-admin bootstrap does not apply (an admin token exists, or the request is not for one)."""
 
 
-def bootstrap_admin_token(engine: "Engine", name: str, actor: str) -> tuple[KeyInfo, str]:
+def bootstrap_admin_token(engine: Engine, name: str, actor: str) -> tuple[KeyInfo, str]:
     """Create the first admin token directly in Postgres, when no active admin token exists.
 
     This is how ``flywheel tokens create`` starts a fresh deployment: every later token is
@@ -255,9 +265,17 @@ def bootstrap_admin_token(engine: "Engine", name: str, actor: str) -> tuple[KeyI
         if active_token_named(session, name):
             raise BootstrapRefused(f"an active token is already named {name!r}; pick another name")
         info, token = create_key(session, name=name, role="admin", created_by=actor)
-        session.add(AuditLog(actor=actor[:128], action="token.create", target=f"api_key:{info.id}", before=None,
-                             after=token_public(info).model_dump(mode="json"), details={"bootstrap": True},
-                             success=True))
+        session.add(
+            AuditLog(
+                actor=actor[:128],
+                action="token.create",
+                target=f"api_key:{info.id}",
+                before=None,
+                after=token_public(info).model_dump(mode="json"),
+                details={"bootstrap": True},
+                success=True,
+            )
+        )
         session.commit()
     return info, token
 
@@ -266,7 +284,7 @@ def bootstrap_admin_token(engine: "Engine", name: str, actor: str) -> tuple[KeyI
 
 
 def write_audit(
-    engine: "Engine",
+    engine: Engine,
     *,
     actor: str,
     action: str,
@@ -280,8 +298,13 @@ def write_audit(
     with Session(engine) as session:
         session.add(
             AuditLog(
-                actor=actor[:128], action=action[:64], target=target[:256] if target else None, before=before,
-                after=after, details=details or {}, success=success,
+                actor=actor[:128],
+                action=action[:64],
+                target=target[:256] if target else None,
+                before=before,
+                after=after,
+                details=details or {},
+                success=success,
             )
         )
         session.commit()
@@ -304,14 +327,25 @@ def _audit_refusal(request: Request, status: int, body: ErrorPublic) -> None:
     route = request.scope.get("route")
     if request.method in READ_METHODS or not isinstance(route, APIRoute) or getattr(request.state, "audited", False):
         return
-    details = _token_details(request, status=status, error=body.error, reason=body.reason,
-                             method=request.method, path=request.url.path)
+    details = _token_details(
+        request, status=status, error=body.error, reason=body.reason, method=request.method, path=request.url.path
+    )
     try:
-        write_audit(request.app.state.engine, actor=_actor(request), action=route.name,
-                    target=_audit_target(request, route), details=details, success=False)
+        write_audit(
+            request.app.state.engine,
+            actor=_actor(request),
+            action=route.name,
+            target=_audit_target(request, route),
+            details=details,
+            success=False,
+        )
     except SQLAlchemyError as err:  # the answer must still go out; the log says the row is missing
-        log.error("could not write the audit row of a refused %s %s: %s", request.method, request.url.path,
-                  str(getattr(err, "orig", None) or err).strip().splitlines()[0])
+        log.error(
+            "could not write the audit row of a refused %s %s: %s",
+            request.method,
+            request.url.path,
+            str(getattr(err, "orig", None) or err).strip().splitlines()[0],
+        )
 
 
 @contextmanager
@@ -363,8 +397,9 @@ def install_error_handlers(app: FastAPI) -> None:
         refusal = await _in_thread(_auth_first, request)
         if refusal is not None:
             return await admin_error(request, refusal)
-        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": str(e.get("type"))}
-                  for e in exc.errors()]
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": str(e.get("type"))} for e in exc.errors()
+        ]
         reason = "; ".join(f"{_field(e['loc'])}: {e['msg']}" for e in errors) or "invalid request"
         body = ErrorPublic(error="invalid", reason=reason, errors=errors)
         return await _in_thread(_error_response, request, 422, body)
@@ -381,8 +416,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DBAPIError)
     async def database_error(request: Request, exc: DBAPIError) -> JSONResponse:
         log.error("database error on %s %s: %s", request.method, request.url.path, exc)
-        reason = "database unavailable" if exc.connection_invalidated or _is_connection_error(exc) else (
-            f"database error: {type(exc.orig).__name__}")
+        reason = (
+            "database unavailable"
+            if exc.connection_invalidated or _is_connection_error(exc)
+            else (f"database error: {type(exc.orig).__name__}")
+        )
         return await _in_thread(_error_response, request, 503, ErrorPublic(error="unavailable", reason=reason))
 
     @app.exception_handler(Exception)
@@ -452,8 +490,11 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     async def _refuse(self, scope: Any, receive: Any, send: Any, declared: str) -> None:
-        reason = (f"request body of {declared} bytes is over the limit of {self.limit} bytes" if declared.isdigit()
-                  else f"invalid Content-Length header {declared!r}")
+        reason = (
+            f"request body of {declared} bytes is over the limit of {self.limit} bytes"
+            if declared.isdigit()
+            else f"invalid Content-Length header {declared!r}"
+        )
         body = ErrorPublic(error="too_large" if declared.isdigit() else "invalid", reason=reason)
         status = 413 if declared.isdigit() else 400
         response = JSONResponse(status_code=status, content=body.model_dump(exclude_none=True))
@@ -469,8 +510,13 @@ def heldout_summary(eval_: dict[str, Any] | None) -> HeldoutEvalPublic | None:
     gate = eval_.get("gate") or {}
     if gate.get("candidate"):
         cand = gate["candidate"]
-        return HeldoutEvalPublic(success_rate=cand.get("success_rate"), n=cand.get("n"), key=gate.get("key"),
-                                 gate_passed=gate.get("passed"), gate_reason=gate.get("reason"))
+        return HeldoutEvalPublic(
+            success_rate=cand.get("success_rate"),
+            n=cand.get("n"),
+            key=gate.get("key"),
+            gate_passed=gate.get("passed"),
+            gate_reason=gate.get("reason"),
+        )
     heldout = eval_.get("heldout") or {}
     if not heldout:
         return None
@@ -481,26 +527,47 @@ def heldout_summary(eval_: dict[str, Any] | None) -> HeldoutEvalPublic | None:
 def checkpoint_public(row: Checkpoint) -> CheckpointPublic:
     """A registry row as listed."""
     return CheckpointPublic(
-        id=row.id, policy_version=row.policy_version, parent_id=row.parent_id, status=row.status,
-        status_reason=row.status_reason, format=row.format, n_samples=row.n_samples, created_at=row.created_at,
-        last_deployed_at=row.last_deployed_at, heldout=heldout_summary(row.eval),
+        id=row.id,
+        policy_version=row.policy_version,
+        parent_id=row.parent_id,
+        status=row.status,
+        status_reason=row.status_reason,
+        format=row.format,
+        n_samples=row.n_samples,
+        created_at=row.created_at,
+        last_deployed_at=row.last_deployed_at,
+        heldout=heldout_summary(row.eval),
     )
 
 
 def checkpoint_detail(row: Checkpoint) -> CheckpointDetailPublic:
     """A registry row with everything recorded."""
     return CheckpointDetailPublic(
-        **checkpoint_public(row).model_dump(), base_model=row.base_model, path=row.path,
-        data_window_start=row.data_window_start, data_window_end=row.data_window_end, config_hash=row.config_hash,
-        sample_ids_hash=row.sample_ids_hash, metrics=row.metrics or {}, eval=row.eval or {},
+        **checkpoint_public(row).model_dump(),
+        base_model=row.base_model,
+        path=row.path,
+        data_window_start=row.data_window_start,
+        data_window_end=row.data_window_end,
+        config_hash=row.config_hash,
+        sample_ids_hash=row.sample_ids_hash,
+        metrics=row.metrics or {},
+        eval=row.eval or {},
     )
 
 
 def token_public(info: KeyInfo) -> TokenPublic:
     """A key as listed (never the token or its hash)."""
-    return TokenPublic(id=info.id, name=info.name, role=info.role, project=info.project,
-                       token_prefix=info.token_prefix, created_at=info.created_at, revoked_at=info.revoked_at,
-                       last_used_at=info.last_used_at, active=info.active)
+    return TokenPublic(
+        id=info.id,
+        name=info.name,
+        role=info.role,
+        project=info.project,
+        token_prefix=info.token_prefix,
+        created_at=info.created_at,
+        revoked_at=info.revoked_at,
+        last_used_at=info.last_used_at,
+        active=info.active,
+    )
 
 
 def _pause_public(state: Any) -> PauseStatePublic:
@@ -541,8 +608,12 @@ def _read_routes(router: APIRouter) -> None:
             total = session.scalar(count) or 0
         return CheckpointPage(items=[checkpoint_public(r) for r in rows], total=total, limit=limit, offset=offset)
 
-    @router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointDetailPublic, name="checkpoints.show",
-                responses={404: {"model": ErrorPublic, "description": "No such checkpoint."}})
+    @router.get(
+        "/checkpoints/{checkpoint_id}",
+        response_model=CheckpointDetailPublic,
+        name="checkpoints.show",
+        responses={404: {"model": ErrorPublic, "description": "No such checkpoint."}},
+    )
     def show_checkpoint(
         request: Request, checkpoint_id: str = Path(min_length=1, max_length=64, pattern=ID_PATTERN)
     ) -> CheckpointDetailPublic:
@@ -584,8 +655,13 @@ def _read_routes(router: APIRouter) -> None:
         fleet_ = _as_dict(fleet_status(app_state.engine, serving.fleet))
         with Session(app_state.engine) as session:
             state = canary_pause_state(session)
-        return CanaryStatusPublic(fleet=serving.fleet, enabled=serving.canary.enabled, controller=_pause_public(state),
-                                  canary=fleet_.get("canary"), stable=fleet_.get("stable"))
+        return CanaryStatusPublic(
+            fleet=serving.fleet,
+            enabled=serving.canary.enabled,
+            controller=_pause_public(state),
+            canary=fleet_.get("canary"),
+            stable=fleet_.get("stable"),
+        )
 
     @router.get("/trainer", response_model=PauseStatePublic, name="trainer.show")
     def trainer_status(request: Request) -> PauseStatePublic:
@@ -600,12 +676,15 @@ def _read_routes(router: APIRouter) -> None:
         request: Request,
         limit: int = Query(50, ge=1, le=500, description="Page size."),
         offset: int = Query(0, ge=0, le=2**31 - 1, description="Entries to skip (newest first)."),
-        action: str | None = Query(None, max_length=64, pattern=TEXT_PATTERN,
-                                   description="Only this action (e.g. `deploy.promote`)."),
-        action_prefix: str | None = Query(None, max_length=64, pattern=TEXT_PATTERN,
-                                          description="Only actions starting with this (e.g. `token.`)."),
-        actor: str | None = Query(None, max_length=128, pattern=TEXT_PATTERN,
-                                  description="Only this actor (e.g. `token:alice`)."),
+        action: str | None = Query(
+            None, max_length=64, pattern=TEXT_PATTERN, description="Only this action (e.g. `deploy.promote`)."
+        ),
+        action_prefix: str | None = Query(
+            None, max_length=64, pattern=TEXT_PATTERN, description="Only actions starting with this (e.g. `token.`)."
+        ),
+        actor: str | None = Query(
+            None, max_length=128, pattern=TEXT_PATTERN, description="Only this actor (e.g. `token:alice`)."
+        ),
         target: str | None = Query(None, max_length=256, pattern=TEXT_PATTERN, description="Only this target."),
         success: bool | None = Query(None, description="Only successful (true) or failed (false) calls."),
         since: datetime | None = Query(None, description="Only entries at or after this time."),
@@ -648,8 +727,14 @@ def _operator_routes(router: APIRouter) -> None:
 
         app_state, actor = request.app.state, _actor(request)
         with _self_audited(request):
-            result = deploy.deploy_canary(app_state.engine, app_state.settings, body.checkpoint_id, body.weight, actor,
-                                          details=_token_details(request))
+            result = deploy.deploy_canary(
+                app_state.engine,
+                app_state.settings,
+                body.checkpoint_id,
+                body.weight,
+                actor,
+                details=_token_details(request),
+            )
         return _deploy_result("deploy.canary", actor, result)
 
     @router.put("/canary/weight", response_model=DeployResultPublic, name="deploy.weight", responses=DEPLOY_RESPONSES)
@@ -659,8 +744,13 @@ def _operator_routes(router: APIRouter) -> None:
 
         app_state, actor = request.app.state, _actor(request)
         with _self_audited(request):
-            result = deploy.set_canary_weight(app_state.engine, app_state.settings, body.weight, actor,
-                                              details=_token_details(request, reason=body.reason))
+            result = deploy.set_canary_weight(
+                app_state.engine,
+                app_state.settings,
+                body.weight,
+                actor,
+                details=_token_details(request, reason=body.reason),
+            )
         return _deploy_result("deploy.weight", actor, result)
 
     @router.post("/promote", response_model=DeployResultPublic, name="deploy.promote", responses=DEPLOY_RESPONSES)
@@ -671,8 +761,9 @@ def _operator_routes(router: APIRouter) -> None:
         app_state, actor = request.app.state, _actor(request)
         reason = body.reason if body else None
         with _self_audited(request):
-            result = deploy.promote(app_state.engine, app_state.settings, actor,
-                                    details=_token_details(request, reason=reason))
+            result = deploy.promote(
+                app_state.engine, app_state.settings, actor, details=_token_details(request, reason=reason)
+            )
         return _deploy_result("deploy.promote", actor, result)
 
     @router.post("/rollback", response_model=DeployResultPublic, name="deploy.rollback", responses=DEPLOY_RESPONSES)
@@ -683,9 +774,13 @@ def _operator_routes(router: APIRouter) -> None:
         app_state, actor = request.app.state, _actor(request)
         body = body or RollbackRequest()
         with _self_audited(request):
-            result = deploy.rollback(app_state.engine, app_state.settings, actor,
-                                     to_checkpoint_id=body.to_checkpoint_id,
-                                     details=_token_details(request, reason=body.reason))
+            result = deploy.rollback(
+                app_state.engine,
+                app_state.settings,
+                actor,
+                to_checkpoint_id=body.to_checkpoint_id,
+                details=_token_details(request, reason=body.reason),
+            )
         return _deploy_result("deploy.rollback", actor, result)
 
     def _trainer_flag(request: Request, paused: bool, body: PauseRequest | None) -> PauseStatePublic:
@@ -735,8 +830,13 @@ def _admin_routes(router: APIRouter) -> None:
         with Session(request.app.state.engine) as session:
             return TokenList(items=[token_public(k) for k in list_keys(session, role=role)])
 
-    @router.post("/tokens", response_model=TokenCreated, status_code=201, name="token.create",
-                 responses={409: {"model": ErrorPublic, "description": "An active token has that name."}})
+    @router.post(
+        "/tokens",
+        response_model=TokenCreated,
+        status_code=201,
+        name="token.create",
+        responses={409: {"model": ErrorPublic, "description": "An active token has that name."}},
+    )
     def create_token(request: Request, body: TokenCreate) -> TokenCreated:
         """Create an ops token; the token is in this answer only (the database keeps its hash)."""
         actor = _actor(request)
@@ -746,14 +846,27 @@ def _admin_routes(router: APIRouter) -> None:
                 raise AdminError(409, f"an active token is already named {body.name!r}; revoke it or pick another name")
             info, token = create_key(session, name=body.name, role=body.role, created_by=actor)
             public = token_public(info)
-            session.add(AuditLog(actor=actor, action="token.create", target=f"api_key:{info.id}", before=None,
-                                 after=public.model_dump(mode="json"), details=_token_details(request), success=True))
+            session.add(
+                AuditLog(
+                    actor=actor,
+                    action="token.create",
+                    target=f"api_key:{info.id}",
+                    before=None,
+                    after=public.model_dump(mode="json"),
+                    details=_token_details(request),
+                    success=True,
+                )
+            )
             session.commit()
         request.state.audited = True
         return TokenCreated(**public.model_dump(), token=token)
 
-    @router.delete("/tokens/{token_id}", response_model=TokenPublic, name="token.revoke",
-                   responses={404: {"model": ErrorPublic, "description": "No token with that id."}})
+    @router.delete(
+        "/tokens/{token_id}",
+        response_model=TokenPublic,
+        name="token.revoke",
+        responses={404: {"model": ErrorPublic, "description": "No token with that id."}},
+    )
     def revoke_token(request: Request, token_id: int = Path(ge=1, le=2**63 - 1)) -> TokenPublic:
         """Revoke a token (immediately: the admin API does not cache tokens). Idempotent."""
         actor = _actor(request)
@@ -767,10 +880,22 @@ def _admin_routes(router: APIRouter) -> None:
             except KeyNotFound as err:  # deleted between the two reads
                 raise AdminError(404, str(err)) from None
             public = token_public(info)
-            session.add(AuditLog(actor=actor, action="token.revoke", target=f"api_key:{token_id}", before=before,
-                                 after={"active": False, "name": info.name, "role": info.role,
-                                        "revoked_at": public.revoked_at.isoformat() if public.revoked_at else None},
-                                 details=_token_details(request), success=True))
+            session.add(
+                AuditLog(
+                    actor=actor,
+                    action="token.revoke",
+                    target=f"api_key:{token_id}",
+                    before=before,
+                    after={
+                        "active": False,
+                        "name": info.name,
+                        "role": info.role,
+                        "revoked_at": public.revoked_at.isoformat() if public.revoked_at else None,
+                    },
+                    details=_token_details(request),
+                    success=True,
+                )
+            )
             session.commit()
         request.state.audited = True
         return public
@@ -791,7 +916,7 @@ def _docs_routes(router: APIRouter) -> None:
 # --------------------------------------------------------------------------- app
 
 
-def create_app(settings: "Settings", engine: "Engine | None" = None) -> FastAPI:
+def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The admin API over ``engine`` (default: the settings' Postgres), managing ``serving.fleet``."""
     if engine is None:
         from flywheel.db.engine import get_engine
@@ -843,11 +968,15 @@ def create_app(settings: "Settings", engine: "Engine | None" = None) -> FastAPI:
     return app
 
 
-def serve(settings: "Settings") -> None:
+def serve(settings: Settings) -> None:
     """Serve the admin API with uvicorn on ``serving.admin_host:admin_port`` until stopped."""
     import uvicorn
 
     app = create_app(settings)
-    log.info("admin API for fleet %s on %s:%s", settings.serving.fleet, settings.serving.admin_host,
-             settings.serving.admin_port)
+    log.info(
+        "admin API for fleet %s on %s:%s",
+        settings.serving.fleet,
+        settings.serving.admin_host,
+        settings.serving.admin_port,
+    )
     uvicorn.run(app, host=settings.serving.admin_host, port=settings.serving.admin_port, log_level="info")

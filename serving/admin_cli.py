@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import getpass
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -31,11 +31,17 @@ ACTION_TIMEOUT_S = 1800.0
 """Timeout of a deployment action (a rolling swap of the whole fleet can take minutes)."""
 
 TOKEN_OPTION = typer.Option(
-    None, "--token", envvar="FLYWHEEL_TOKEN", show_envvar=True, show_default=False,
+    None,
+    "--token",
+    envvar="FLYWHEEL_TOKEN",
+    show_envvar=True,
+    show_default=False,
     help="Ops token (viewer, operator or admin) for the admin API.",
 )
 URL_OPTION = typer.Option(
-    None, "--url", show_default=False,
+    None,
+    "--url",
+    show_default=False,
     help="Admin API URL (default: serving.admin_url, else http://serving.admin_host:admin_port).",
 )
 JSON_OPTION = typer.Option(False, "--json", help="Print the API's JSON answer.")
@@ -51,7 +57,7 @@ class CliFailure(Exception):
         self.message = message
 
 
-def admin_url(settings: "Settings") -> str:
+def admin_url(settings: Settings) -> str:
     """Where clients find the admin API: ``serving.admin_url``, else ``http://admin_host:admin_port``."""
     serving = settings.serving
     if serving.admin_url:
@@ -69,27 +75,48 @@ class AdminClient:
         self.url = url.rstrip("/")
         self.token = token
 
-    def call(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None,
-             timeout: float = READ_TIMEOUT_S) -> Any:
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float = READ_TIMEOUT_S,
+    ) -> Any:
         """The JSON answer of ``method path``; raises :class:`CliFailure` on any error."""
         import httpx
 
         if not self.token:
-            raise CliFailure(1, "no token: set FLYWHEEL_TOKEN or pass --token "
-                                "(an admin creates one with `flywheel tokens create --name NAME --role ROLE`)")
+            raise CliFailure(
+                1,
+                "no token: set FLYWHEEL_TOKEN or pass --token "
+                "(an admin creates one with `flywheel tokens create --name NAME --role ROLE`)",
+            )
         target = f"{self.url}{path}"
         params = {k: v for k, v in (params or {}).items() if v is not None}
         try:
-            response = httpx.request(method, target, json=body, params=params, timeout=timeout,
-                                     headers={"Authorization": f"Bearer {self.token}"})
+            response = httpx.request(
+                method,
+                target,
+                json=body,
+                params=params,
+                timeout=timeout,
+                headers={"Authorization": f"Bearer {self.token}"},
+            )
         except httpx.TimeoutException:
-            raise CliFailure(2, f"no answer from the admin API at {self.url} within {timeout:.0f} s "
-                                "(an action may still be running: check `flywheel status` and `flywheel audit`)"
-                             ) from None
+            raise CliFailure(
+                2,
+                f"no answer from the admin API at {self.url} within {timeout:.0f} s "
+                "(an action may still be running: check `flywheel status` and `flywheel audit`)",
+            ) from None
         except httpx.TransportError as err:
-            raise CliFailure(2, f"cannot reach the admin API at {self.url} ({type(err).__name__}: {err}); "
-                                "start it with `flywheel-serving admin`, or point --url / "
-                                "FLYWHEEL_SERVING__ADMIN_URL at it") from None
+            raise CliFailure(
+                2,
+                f"cannot reach the admin API at {self.url} ({type(err).__name__}: {err}); "
+                "start it with `flywheel-serving admin`, or point --url / "
+                "FLYWHEEL_SERVING__ADMIN_URL at it",
+            ) from None
         if response.status_code >= 400:
             raise CliFailure(1, f"{method} {path} refused: HTTP {response.status_code} {_reason(response)}")
         return response.json()
@@ -107,7 +134,7 @@ def _reason(response: Any) -> str:
     return json.dumps(body)[:500]
 
 
-def _settings() -> "Settings":
+def _settings() -> Settings:
     from flywheel.config import get_settings
 
     return get_settings()
@@ -144,8 +171,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
 def _deployment_line(role: str, dep: dict[str, Any] | None) -> str:
     if not dep:
         return f"  {role:7} none"
-    return (f"  {role:7} checkpoint={dep.get('checkpoint_id')} version={dep.get('policy_version', '-')} "
-            f"weight={_fmt(dep.get('weight'), 2)} status={dep.get('status', '-')} id={dep.get('id', '-')}")
+    return (
+        f"  {role:7} checkpoint={dep.get('checkpoint_id')} version={dep.get('policy_version', '-')} "
+        f"weight={_fmt(dep.get('weight'), 2)} status={dep.get('status', '-')} id={dep.get('id', '-')}"
+    )
 
 
 def _pause_line(what: str, state: dict[str, Any]) -> str:
@@ -162,8 +191,10 @@ def print_fleet(fleet: dict[str, Any]) -> None:
     typer.echo(_deployment_line("canary", fleet.get("canary")))
     for rep in fleet.get("replicas") or []:
         reason = f"  ({rep['reason']})" if rep.get("reason") else ""
-        typer.echo(f"  replica {rep.get('url')} {rep.get('state')} version={rep.get('policy_version')} "
-                   f"checkpoint={rep.get('checkpoint_id')}{reason}")
+        typer.echo(
+            f"  replica {rep.get('url')} {rep.get('state')} version={rep.get('policy_version')} "
+            f"checkpoint={rep.get('checkpoint_id')}{reason}"
+        )
 
 
 def _print_result(answer: dict[str, Any], as_json: bool) -> None:
@@ -175,13 +206,17 @@ def _print_result(answer: dict[str, Any], as_json: bool) -> None:
     typer.echo(_deployment_line("stable", answer.get("stable")))
     typer.echo(_deployment_line("canary", answer.get("canary")))
     for ended in answer.get("ended") or []:
-        typer.echo(f"  ended   {ended.get('role')} deployment {ended.get('id')} ({ended.get('checkpoint_id')}): "
-                   f"{ended.get('status')}")
+        typer.echo(
+            f"  ended   {ended.get('role')} deployment {ended.get('id')} ({ended.get('checkpoint_id')}): "
+            f"{ended.get('status')}"
+        )
     for swap in answer.get("swaps") or []:
         outcome = "ok" if swap.get("ok") else ("REVERTED" if swap.get("reverted") else "FAILED")
         reason = f" ({swap['reason']})" if swap.get("reason") else ""
-        typer.echo(f"  swap    {swap.get('url')} {swap.get('from_version')} -> {swap.get('to_version')} {outcome}, "
-                   f"paused {_fmt(swap.get('pause_ms'), 0)} ms of {_fmt(swap.get('total_ms'), 0)} ms{reason}")
+        typer.echo(
+            f"  swap    {swap.get('url')} {swap.get('from_version')} -> {swap.get('to_version')} {outcome}, "
+            f"paused {_fmt(swap.get('pause_ms'), 0)} ms of {_fmt(swap.get('total_ms'), 0)} ms{reason}"
+        )
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -191,7 +226,7 @@ checkpoints_app = typer.Typer(no_args_is_help=False, help="Checkpoints of the re
 
 @checkpoints_app.callback(invoke_without_command=True)
 def _checkpoints_default(
-    ctx: typer.Context, token: Optional[str] = TOKEN_OPTION, url: Optional[str] = URL_OPTION
+    ctx: typer.Context, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION
 ) -> None:
     """List checkpoints when no subcommand is given."""
     if ctx.invoked_subcommand is None:
@@ -200,26 +235,29 @@ def _checkpoints_default(
 
 @checkpoints_app.command("list")
 def checkpoints_list(
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     limit: int = typer.Option(20, min=1, max=500, help="Rows."),
     offset: int = typer.Option(0, min=0, help="Rows to skip (newest first)."),
-    status: Optional[str] = typer.Option(
+    status: str | None = typer.Option(
         None, help="Only this status (candidate, rejected, deployed, retired, deleted)."
     ),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Checkpoints, newest first: status, parent, policy version, held-out success."""
-    page = _run(_client(token, url).call, "GET", "/v1/checkpoints",
-                params={"limit": limit, "offset": offset, "status": status})
+    page = _run(
+        _client(token, url).call, "GET", "/v1/checkpoints", params={"limit": limit, "offset": offset, "status": status}
+    )
     if as_json:
         _echo_json(page)
         return
     typer.echo(f"{'id':28} {'status':10} {'parent':28} {'heldout':>8} created")
     for item in page["items"]:
         heldout = (item.get("heldout") or {}).get("success_rate")
-        typer.echo(f"{item['id']:28} {item['status']:10} {item.get('parent_id') or '-':28} {_fmt(heldout):>8} "
-                   f"{item['created_at']}")
+        typer.echo(
+            f"{item['id']:28} {item['status']:10} {item.get('parent_id') or '-':28} {_fmt(heldout):>8} "
+            f"{item['created_at']}"
+        )
     shown = page["offset"] + len(page["items"])
     more = f"; more with --offset {shown}" if shown < page["total"] else ""
     typer.echo(f"({len(page['items'])} of {page['total']}{more})")
@@ -228,8 +266,8 @@ def checkpoints_list(
 @checkpoints_app.command("show")
 def checkpoints_show(
     checkpoint_id: str = typer.Argument(..., help="Checkpoint id."),
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
 ) -> None:
     """One checkpoint with its metrics, evaluation and data window (JSON)."""
     from urllib.parse import quote
@@ -243,20 +281,25 @@ def checkpoints_show(
 def deploy_command(
     checkpoint_id: str = typer.Argument(..., help="Checkpoint to deploy as the canary."),
     weight: float = typer.Option(0.05, "--weight", help="Canary share of new sessions, in (0, 1]."),
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Deploy a checkpoint as the fleet's canary (hot swap, one replica at a time)."""
-    answer = _run(_client(token, url).call, "POST", "/v1/canary",
-                  body={"checkpoint_id": checkpoint_id, "weight": weight}, timeout=ACTION_TIMEOUT_S)
+    answer = _run(
+        _client(token, url).call,
+        "POST",
+        "/v1/canary",
+        body={"checkpoint_id": checkpoint_id, "weight": weight},
+        timeout=ACTION_TIMEOUT_S,
+    )
     _print_result(answer, as_json)
 
 
 def promote_command(
-    reason: Optional[str] = REASON_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    reason: str | None = REASON_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Promote the canary to stable on the whole fleet."""
@@ -265,17 +308,22 @@ def promote_command(
 
 
 def rollback_command(
-    to: Optional[str] = typer.Option(
+    to: str | None = typer.Option(
         None, "--to", help="Checkpoint to serve as stable (default: end the canary, back to the previous stable)."
     ),
-    reason: Optional[str] = REASON_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    reason: str | None = REASON_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Roll back to the previous stable, or to any checkpoint with --to."""
-    answer = _run(_client(token, url).call, "POST", "/v1/rollback", body={"to_checkpoint_id": to, "reason": reason},
-                  timeout=ACTION_TIMEOUT_S)
+    answer = _run(
+        _client(token, url).call,
+        "POST",
+        "/v1/rollback",
+        body={"to_checkpoint_id": to, "reason": reason},
+        timeout=ACTION_TIMEOUT_S,
+    )
     _print_result(answer, as_json)
 
 
@@ -285,7 +333,7 @@ canary_app = typer.Typer(no_args_is_help=False, help="The canary: status, weight
 
 
 @canary_app.callback(invoke_without_command=True)
-def _canary_default(ctx: typer.Context, token: Optional[str] = TOKEN_OPTION, url: Optional[str] = URL_OPTION) -> None:
+def _canary_default(ctx: typer.Context, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION) -> None:
     """Show the canary when no subcommand is given."""
     if ctx.invoked_subcommand is None:
         canary_status(token=token, url=url, as_json=False)
@@ -293,7 +341,7 @@ def _canary_default(ctx: typer.Context, token: Optional[str] = TOKEN_OPTION, url
 
 @canary_app.command("status")
 def canary_status(
-    token: Optional[str] = TOKEN_OPTION, url: Optional[str] = URL_OPTION, as_json: bool = JSON_OPTION
+    token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION, as_json: bool = JSON_OPTION
 ) -> None:
     """The canary and stable deployments and whether the controller is paused."""
     answer = _run(_client(token, url).call, "GET", "/v1/canary")
@@ -310,14 +358,19 @@ def canary_status(
 @canary_app.command("weight")
 def canary_weight(
     weight: float = typer.Argument(..., help="New canary share of new sessions, in (0, 1]."),
-    reason: Optional[str] = REASON_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    reason: str | None = REASON_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Change the canary's traffic weight."""
-    answer = _run(_client(token, url).call, "PUT", "/v1/canary/weight", body={"weight": weight, "reason": reason},
-                  timeout=ACTION_TIMEOUT_S)
+    answer = _run(
+        _client(token, url).call,
+        "PUT",
+        "/v1/canary/weight",
+        body={"weight": weight, "reason": reason},
+        timeout=ACTION_TIMEOUT_S,
+    )
     _print_result(answer, as_json)
 
 
@@ -327,15 +380,17 @@ def _flag(path: str, what: str, reason: str | None, token: str | None, url: str 
 
 
 @canary_app.command("pause")
-def canary_pause(reason: Optional[str] = REASON_OPTION, token: Optional[str] = TOKEN_OPTION,
-                 url: Optional[str] = URL_OPTION) -> None:
+def canary_pause(
+    reason: str | None = REASON_OPTION, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION
+) -> None:
     """Pause the canary controller (no automatic step, promotion or rollback until resumed)."""
     _flag("/v1/canary/pause", "canary controller", reason, token, url)
 
 
 @canary_app.command("resume")
-def canary_resume(reason: Optional[str] = REASON_OPTION, token: Optional[str] = TOKEN_OPTION,
-                  url: Optional[str] = URL_OPTION) -> None:
+def canary_resume(
+    reason: str | None = REASON_OPTION, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION
+) -> None:
     """Resume the canary controller."""
     _flag("/v1/canary/resume", "canary controller", reason, token, url)
 
@@ -346,8 +401,8 @@ def canary_resume(reason: Optional[str] = REASON_OPTION, token: Optional[str] = 
 def status_command(
     stack: bool = typer.Option(True, "--stack/--no-stack", help="Show the local stack's components."),
     fleet: bool = typer.Option(True, "--fleet/--no-fleet", help="Show the fleet, trainer and canary (admin API)."),
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the fleet section as the API's JSON."),
 ) -> None:
     """The local stack (what runs where, healthy or not), then the fleet through the admin API.
@@ -383,17 +438,22 @@ def status_command(
 
 def audit_command(
     limit: int = typer.Option(20, min=1, max=500, help="Rows."),
-    action: Optional[str] = typer.Option(None, help="Only this action (e.g. canary.promote)."),
-    prefix: Optional[str] = typer.Option(None, "--prefix", help="Only actions starting with this (e.g. token.)."),
-    actor: Optional[str] = typer.Option(None, help="Only this actor (e.g. token:alice)."),
+    action: str | None = typer.Option(None, help="Only this action (e.g. canary.promote)."),
+    prefix: str | None = typer.Option(None, "--prefix", help="Only actions starting with this (e.g. token.)."),
+    actor: str | None = typer.Option(None, help="Only this actor (e.g. token:alice)."),
     failed: bool = typer.Option(False, "--failed", help="Only failed (refused) calls."),
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Recent audit-log entries, newest first."""
-    params = {"limit": limit, "action": action, "action_prefix": prefix, "actor": actor,
-              "success": "false" if failed else None}
+    params = {
+        "limit": limit,
+        "action": action,
+        "action_prefix": prefix,
+        "actor": actor,
+        "success": "false" if failed else None,
+    }
     page = _run(_client(token, url).call, "GET", "/v1/audit", params=params)
     if as_json:
         _echo_json(page)
@@ -411,7 +471,7 @@ tokens_app = typer.Typer(no_args_is_help=False, help="Ops tokens of the admin AP
 
 
 @tokens_app.callback(invoke_without_command=True)
-def _tokens_default(ctx: typer.Context, token: Optional[str] = TOKEN_OPTION, url: Optional[str] = URL_OPTION) -> None:
+def _tokens_default(ctx: typer.Context, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION) -> None:
     """List tokens when no subcommand is given."""
     if ctx.invoked_subcommand is None:
         tokens_list(token=token, url=url, role=None, as_json=False)
@@ -419,9 +479,9 @@ def _tokens_default(ctx: typer.Context, token: Optional[str] = TOKEN_OPTION, url
 
 @tokens_app.command("list")
 def tokens_list(
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
-    role: Optional[str] = typer.Option(None, help="Only this role (viewer, operator, admin, writer)."),
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    role: str | None = typer.Option(None, help="Only this role (viewer, operator, admin, writer)."),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Every token (admin only): id, prefix, name, role, state; never the tokens."""
@@ -439,9 +499,9 @@ def tokens_list(
 def tokens_create(
     name: str = typer.Option(..., "--name", help="Who or what holds the token (unique among active tokens)."),
     role: str = typer.Option(..., "--role", help="viewer, operator or admin."),
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
-    db_url: Optional[str] = typer.Option(
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    db_url: str | None = typer.Option(
         None, "--db-url", help="Database URL for the first-admin bootstrap (default: settings)."
     ),
 ) -> None:
@@ -451,19 +511,28 @@ def tokens_create(
     admin token exists, the first admin token is created directly in Postgres (bootstrap).
     """
     if role not in ("viewer", "operator", "admin"):
-        typer.echo(f"error: --role must be viewer, operator or admin (got {role!r}); "
-                   "gateway write keys are made with `flywheel keys create`", err=True)
+        typer.echo(
+            f"error: --role must be viewer, operator or admin (got {role!r}); "
+            "gateway write keys are made with `flywheel keys create`",
+            err=True,
+        )
         raise typer.Exit(1)
     if token:
         answer = _run(_client(token, url).call, "POST", "/v1/tokens", body={"name": name, "role": role})
-        typer.echo(f"created {answer['role']} token {answer['id']} ({answer['token_prefix']}…) named "
-                   f"{answer['name']!r}; store it now, it is not shown again:", err=True)
+        typer.echo(
+            f"created {answer['role']} token {answer['id']} ({answer['token_prefix']}…) named "
+            f"{answer['name']!r}; store it now, it is not shown again:",
+            err=True,
+        )
         typer.echo(answer["token"])
         return
     info, secret = _run(_bootstrap, name, role, db_url)
-    typer.echo(f"no admin token existed: created the first admin token {info.id} ({info.token_prefix}…) named "
-               f"{info.name!r} directly in Postgres (bootstrap, audited as token.create). Later tokens are created "
-               "through the admin API with it (FLYWHEEL_TOKEN). Store it now, it is not shown again:", err=True)
+    typer.echo(
+        f"no admin token existed: created the first admin token {info.id} ({info.token_prefix}…) named "
+        f"{info.name!r} directly in Postgres (bootstrap, audited as token.create). Later tokens are created "
+        "through the admin API with it (FLYWHEEL_TOKEN). Store it now, it is not shown again:",
+        err=True,
+    )
     typer.echo(secret)
 
 
@@ -481,15 +550,21 @@ def _bootstrap(name: str, role: str, db_url: str | None) -> Any:
         raise CliFailure(2, f"no token given and no database to bootstrap the first admin token in: {err}") from None
     if role != "admin":
         _refuse_if_admin_exists(url)
-        raise CliFailure(1, "no admin token exists yet: the first token must be created with --role admin "
-                            "(bootstrap); create the others with it")
+        raise CliFailure(
+            1,
+            "no admin token exists yet: the first token must be created with --role admin "
+            "(bootstrap); create the others with it",
+        )
     try:
         return bootstrap_admin_token(get_engine(url), name, f"cli:{getpass.getuser()}")
     except BootstrapRefused as err:
         raise CliFailure(1, f"no token given, and the bootstrap does not apply: {err}") from None
     except OperationalError as err:
-        raise CliFailure(2, f"cannot reach Postgres at {_safe_url(url)} to bootstrap the first admin token: "
-                            f"{str(err.orig).strip().splitlines()[0] if err.orig else err}") from None
+        raise CliFailure(
+            2,
+            f"cannot reach Postgres at {_safe_url(url)} to bootstrap the first admin token: "
+            f"{str(err.orig).strip().splitlines()[0] if err.orig else err}",
+        ) from None
 
 
 def _refuse_if_admin_exists(url: str) -> None:
@@ -521,8 +596,8 @@ def _safe_url(url: str) -> str:
 @tokens_app.command("revoke")
 def tokens_revoke(
     token_id: int = typer.Argument(..., min=1, help="Id of the token (from `flywheel tokens list`)."),
-    token: Optional[str] = TOKEN_OPTION,
-    url: Optional[str] = URL_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
 ) -> None:
     """Revoke a token; the admin API refuses it from the next request."""
     answer = _run(_client(token, url).call, "DELETE", f"/v1/tokens/{token_id}")

@@ -62,7 +62,7 @@ class _Audit:
     ended: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _write_audit(engine: "Engine", record: _Audit, success: bool) -> None:
+def _write_audit(engine: Engine, record: _Audit, success: bool) -> None:
     with Session(engine) as session:
         session.add(
             AuditLog(
@@ -79,7 +79,7 @@ def _write_audit(engine: "Engine", record: _Audit, success: bool) -> None:
 
 
 @contextmanager
-def _audited(engine: "Engine", actor: str, action: str, fleet: str, details: dict[str, Any]) -> Iterator[_Audit]:
+def _audited(engine: Engine, actor: str, action: str, fleet: str, details: dict[str, Any]) -> Iterator[_Audit]:
     """One audit row for the operation in the block: ``success`` unless it raised (then re-raised)."""
     record = _Audit(actor, action, f"fleet:{fleet}", details)
     try:
@@ -95,11 +95,11 @@ def _audited(engine: "Engine", actor: str, action: str, fleet: str, details: dic
     _write_audit(engine, record, success=True)
 
 
-def _snapshot(engine: "Engine", fleet: str) -> dict[str, Any]:
+def _snapshot(engine: Engine, fleet: str) -> dict[str, Any]:
     return fleet_status(engine, fleet).to_dict()
 
 
-def _answer(engine: "Engine", fleet: str, record: _Audit, swaps: list[SwapResult]) -> dict[str, Any]:
+def _answer(engine: Engine, fleet: str, record: _Audit, swaps: list[SwapResult]) -> dict[str, Any]:
     """The operation's return value; also the audit row's ``after``."""
     status = _snapshot(engine, fleet)
     record.after = status
@@ -135,7 +135,9 @@ def usable_checkpoint(session: Session, checkpoint_id: str, strategy: str) -> Ch
         why = f": {row.status_reason}" if row.status_reason else ""
         raise DeployError("invalid", f"checkpoint {checkpoint_id} is {row.status}{why}")
     if strategy == "full" and row.format != "full":
-        raise DeployError("invalid", f"checkpoint {checkpoint_id} is a {row.format} checkpoint; the fleet's strategy is full weights")
+        raise DeployError(
+            "invalid", f"checkpoint {checkpoint_id} is a {row.format} checkpoint; the fleet's strategy is full weights"
+        )
     try:
         check_weights(row.path, reference=_served_model_folder(row))
     except vllm_admin.CheckpointInvalid as err:
@@ -183,7 +185,9 @@ def _end(session: Session, row: Deployment, status: str, reason: str, record: _A
     row.status, row.reason = status, reason
     row.ended_at = row.updated_at = func.now()
     session.flush()
-    record.ended.append({"id": row.id, "checkpoint_id": row.checkpoint_id, "role": row.role, "status": status, "reason": reason})
+    record.ended.append(
+        {"id": row.id, "checkpoint_id": row.checkpoint_id, "role": row.role, "status": status, "reason": reason}
+    )
 
 
 def _mark_deployed(session: Session, checkpoint_id: str, reason: str) -> None:
@@ -193,8 +197,8 @@ def _mark_deployed(session: Session, checkpoint_id: str, reason: str) -> None:
 
 
 def _rollout(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     urls: list[str],
     checkpoint: Checkpoint,
     deployment_id: int,
@@ -208,8 +212,8 @@ def _rollout(
 
 
 def _swap_back(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     swaps: list[SwapResult],
     checkpoint: Checkpoint,
     deployment_id: int,
@@ -236,8 +240,8 @@ def _describe(failed: SwapResult) -> str:
 
 
 def deploy_canary(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     checkpoint_id: str,
     weight: float,
     actor: str,
@@ -262,19 +266,34 @@ def deploy_canary(
         with Session(engine, expire_on_commit=False) as session:
             checkpoint = usable_checkpoint(session, checkpoint_id, strategy)
             if strategy == "lora" and checkpoint.format != "lora":
-                raise DeployError("invalid", f"checkpoint {checkpoint_id} holds full weights; the fleet's strategy is lora adapters")
+                raise DeployError(
+                    "invalid", f"checkpoint {checkpoint_id} holds full weights; the fleet's strategy is lora adapters"
+                )
             current = active_deployment(session, fleet, "canary")
             if current is not None:
-                raise DeployError("conflict", f"fleet {fleet!r} already has an active canary (deployment {current.id}, checkpoint {current.checkpoint_id})")
+                raise DeployError(
+                    "conflict",
+                    f"fleet {fleet!r} already has an active canary (deployment {current.id}, checkpoint {current.checkpoint_id})",
+                )
             stable = _require_stable(session, fleet)
             if stable.checkpoint_id == checkpoint_id:
-                raise DeployError("conflict", f"checkpoint {checkpoint_id} is already the stable deployment of fleet {fleet!r}")
+                raise DeployError(
+                    "conflict", f"checkpoint {checkpoint_id} is already the stable deployment of fleet {fleet!r}"
+                )
             replicas = fleet_replicas(session, fleet)
             if strategy == "full":
                 urls = canary_urls(replicas, stable.checkpoint_id, settings.serving.canary_replicas, fleet)
             else:
                 urls = _live_urls(replicas)
-            canary = Deployment(fleet=fleet, checkpoint_id=checkpoint_id, role="canary", weight=weight, strategy=strategy, status="pending", created_by=actor)
+            canary = Deployment(
+                fleet=fleet,
+                checkpoint_id=checkpoint_id,
+                role="canary",
+                weight=weight,
+                strategy=strategy,
+                status="pending",
+                created_by=actor,
+            )
             session.add(canary)
             session.commit()
             stable_checkpoint = session.get(Checkpoint, stable.checkpoint_id)
@@ -300,15 +319,18 @@ def deploy_canary(
 
 
 def set_canary_weight(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     weight: float,
     actor: str,
     details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Change the active canary's traffic weight (in (0, 1]); ``conflict`` without an active canary."""
     fleet = settings.serving.fleet
-    with _audited(engine, actor, "deploy.weight", fleet, {"weight": weight, **(details or {})}) as record, fleet_lock(engine, fleet):
+    with (
+        _audited(engine, actor, "deploy.weight", fleet, {"weight": weight, **(details or {})}) as record,
+        fleet_lock(engine, fleet),
+    ):
         record.before = _snapshot(engine, fleet)
         weight = validate_weight(weight)
         with Session(engine) as session:
@@ -322,8 +344,8 @@ def set_canary_weight(
 
 
 def promote(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     actor: str,
     details: dict[str, Any] | None = None,
     *,
@@ -356,7 +378,9 @@ def promote(
             raise DeployError("failed", f"promotion stopped, stable and canary stay active: {_describe(failed)}")
         with Session(engine) as session:
             old, promoted = session.get(Deployment, stable.id), session.get(Deployment, canary.id)
-            _end(session, old, "superseded", f"superseded by canary deployment {canary.id} (promoted by {actor})", record)
+            _end(
+                session, old, "superseded", f"superseded by canary deployment {canary.id} (promoted by {actor})", record
+            )
             _end(session, promoted, "promoted", f"promoted by {actor}", record)
             new = Deployment(
                 fleet=fleet,
@@ -381,8 +405,8 @@ def promote(
 
 
 def rollback(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     actor: str,
     to_checkpoint_id: str | None = None,
     details: dict[str, Any] | None = None,
@@ -412,13 +436,15 @@ def rollback(
                     f"fleet {fleet!r} has an active canary (deployment {canary.id}): roll it back first, "
                     f"then roll the stable back to {to_checkpoint_id}",
                 )
-            return _rollback_canary(engine, settings, record, stable, canary, actor, verify, (details or {}).get("reason"))
+            return _rollback_canary(
+                engine, settings, record, stable, canary, actor, verify, (details or {}).get("reason")
+            )
         return _rollback_stable(engine, settings, record, stable, to_checkpoint_id, actor, verify)
 
 
 def _rollback_canary(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     record: _Audit,
     stable: Deployment,
     canary: Deployment,
@@ -433,13 +459,19 @@ def _rollback_canary(
         session.commit()
         checkpoint = session.get(Checkpoint, stable.checkpoint_id)
         replicas = fleet_replicas(session, fleet)
-    urls = [r.url for r in replicas if r.state != "failed" and (r.deployment_id == canary.id or r.checkpoint_id == canary.checkpoint_id)]
+    urls = [
+        r.url
+        for r in replicas
+        if r.state != "failed" and (r.deployment_id == canary.id or r.checkpoint_id == canary.checkpoint_id)
+    ]
     swaps = _rollout(engine, settings, urls, checkpoint, stable.id, verify, actor)
     record.details["swaps"] = [s.to_dict() for s in swaps]
     failed = _failure(swaps)
     if failed is not None:
         _answer(engine, fleet, record, swaps)
-        raise DeployError("failed", f"canary rolled back, but a replica did not return to the stable: {_describe(failed)}")
+        raise DeployError(
+            "failed", f"canary rolled back, but a replica did not return to the stable: {_describe(failed)}"
+        )
     return _answer(engine, fleet, record, swaps)
 
 
@@ -459,8 +491,8 @@ def _previous_stable(session: Session, fleet: str, current: Deployment) -> str |
 
 
 def _rollback_stable(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     record: _Audit,
     stable: Deployment,
     to_checkpoint_id: str | None,
@@ -489,7 +521,9 @@ def _rollback_stable(
         session.commit()
         current_checkpoint = session.get(Checkpoint, stable.checkpoint_id)
         urls = _live_urls(fleet_replicas(session, fleet))
-    record.details.update(stable_id=stable.id, new_stable_id=new.id, from_checkpoint_id=stable.checkpoint_id, to_checkpoint_id=target_id)
+    record.details.update(
+        stable_id=stable.id, new_stable_id=new.id, from_checkpoint_id=stable.checkpoint_id, to_checkpoint_id=target_id
+    )
     swaps = _rollout(engine, settings, urls, checkpoint, new.id, verify, actor)
     failed = _failure(swaps)
     if failed is not None:
@@ -502,7 +536,9 @@ def _rollback_stable(
         _answer(engine, fleet, record, swaps + back)
         raise DeployError("failed", f"rollback stopped, the stable is unchanged: {reason}")
     with Session(engine) as session:
-        _end(session, session.get(Deployment, stable.id), "superseded", f"rolled back to {target_id} by {actor}", record)
+        _end(
+            session, session.get(Deployment, stable.id), "superseded", f"rolled back to {target_id} by {actor}", record
+        )
         row = session.get(Deployment, new.id)
         row.status, row.updated_at = "active", func.now()
         _mark_deployed(session, target_id, f"stable of fleet {fleet} after a rollback by {actor}")
@@ -523,7 +559,9 @@ def _desired(session: Session, replica: Replica, stable: Deployment) -> Deployme
     return stable
 
 
-def reconcile(engine: "Engine", settings: "Settings", actor: str = "reconciler", *, verify: Verifier | None = None) -> list[SwapResult]:
+def reconcile(
+    engine: Engine, settings: Settings, actor: str = "reconciler", *, verify: Verifier | None = None
+) -> list[SwapResult]:
     """Bring every healthy replica back to what its deployment says it should serve.
 
     A replica restarted by its supervisor comes back with the base weights (and version):
@@ -550,19 +588,25 @@ def reconcile(engine: "Engine", settings: "Settings", actor: str = "reconciler",
         for replica, desired, checkpoint in plan:
             if not vllm_admin.health(replica.url):
                 if replica.state != "failed":
-                    set_replica(engine, replica.url, state="failed", reason="unreachable: /health did not answer (reconcile)")
+                    set_replica(
+                        engine, replica.url, state="failed", reason="unreachable: /health did not answer (reconcile)"
+                    )
                     marked.append({"url": replica.url, "state": "failed"})
                 continue
             if _needs_swap(settings, replica, desired, checkpoint):
-                swaps.append(swap_replica(engine, settings, replica.url, checkpoint.id, desired.id, verify=verify, actor=actor))
+                swaps.append(
+                    swap_replica(engine, settings, replica.url, checkpoint.id, desired.id, verify=verify, actor=actor)
+                )
         if swaps or marked:
-            record = _Audit(actor, "deploy.reconcile", f"fleet:{fleet}", {"swaps": [s.to_dict() for s in swaps], "marked": marked})
+            record = _Audit(
+                actor, "deploy.reconcile", f"fleet:{fleet}", {"swaps": [s.to_dict() for s in swaps], "marked": marked}
+            )
             record.before, record.after = before, _snapshot(engine, fleet)
             _write_audit(engine, record, success=all(s.ok for s in swaps))
     return swaps
 
 
-def _needs_swap(settings: "Settings", replica: Replica, desired: Deployment, checkpoint: Checkpoint) -> bool:
+def _needs_swap(settings: Settings, replica: Replica, desired: Deployment, checkpoint: Checkpoint) -> bool:
     """Whether a healthy replica differs from ``desired`` (resuming it first if a crashed swap left it paused)."""
     if vllm_admin.is_paused(replica.url):
         vllm_admin.resume(replica.url)
@@ -573,7 +617,9 @@ def _needs_swap(settings: "Settings", replica: Replica, desired: Deployment, che
         if checkpoint.format == "full":
             return replica.state != "serving"
         return not LoraAdapter().reports(replica.url, _target_of(checkpoint)) or replica.state != "serving"
-    in_sync = replica.state == "serving" and replica.checkpoint_id == checkpoint.id and replica.deployment_id == desired.id
+    in_sync = (
+        replica.state == "serving" and replica.checkpoint_id == checkpoint.id and replica.deployment_id == desired.id
+    )
     return not in_sync or vllm_admin.weight_info(replica.url) != checkpoint.policy_version
 
 

@@ -168,7 +168,7 @@ def checkpoint_of_version(session: Session, version: str | None) -> Checkpoint |
     return session.scalars(select(Checkpoint).where(Checkpoint.policy_version == version)).first()
 
 
-def fleet_status(engine: "Engine", fleet: str) -> FleetStatus:
+def fleet_status(engine: Engine, fleet: str) -> FleetStatus:
     """The fleet's stable and canary deployments and its replicas, read from Postgres."""
     with Session(engine) as session:
         stable = active_deployment(session, fleet, "stable")
@@ -191,7 +191,7 @@ def fleet_status(engine: "Engine", fleet: str) -> FleetStatus:
 
 
 @contextmanager
-def try_fleet_lock(engine: "Engine", fleet: str) -> Iterator[bool]:
+def try_fleet_lock(engine: Engine, fleet: str) -> Iterator[bool]:
     """Try the fleet's advisory lock without waiting; yields whether it is held, releases it on exit.
 
     Session-level lock on a dedicated connection: Postgres drops it when the connection
@@ -201,14 +201,18 @@ def try_fleet_lock(engine: "Engine", fleet: str) -> Iterator[bool]:
     held = False
     try:
         held = bool(
-            conn.execute(text("SELECT pg_try_advisory_lock(:ns, hashtext(:fleet))"), {"ns": LOCK_NAMESPACE, "fleet": fleet}).scalar()
+            conn.execute(
+                text("SELECT pg_try_advisory_lock(:ns, hashtext(:fleet))"), {"ns": LOCK_NAMESPACE, "fleet": fleet}
+            ).scalar()
         )
         conn.commit()
         yield held
     finally:
         try:
             if held:
-                conn.execute(text("SELECT pg_advisory_unlock(:ns, hashtext(:fleet))"), {"ns": LOCK_NAMESPACE, "fleet": fleet})
+                conn.execute(
+                    text("SELECT pg_advisory_unlock(:ns, hashtext(:fleet))"), {"ns": LOCK_NAMESPACE, "fleet": fleet}
+                )
                 conn.commit()
         except Exception:  # a broken connection: discard it so the lock dies with it, then re-raise
             conn.invalidate()
@@ -218,7 +222,7 @@ def try_fleet_lock(engine: "Engine", fleet: str) -> Iterator[bool]:
 
 
 @contextmanager
-def fleet_lock(engine: "Engine", fleet: str) -> Iterator[None]:
+def fleet_lock(engine: Engine, fleet: str) -> Iterator[None]:
     """Hold the fleet's lock for a deployment operation; :class:`DeployError` ``conflict`` when taken."""
     with try_fleet_lock(engine, fleet) as held:
         if not held:
@@ -240,8 +244,8 @@ def _reported_version(url: str) -> tuple[str | None, str | None]:
 
 
 def ensure_fleet(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     urls: list[str] | None = None,
     model_dir: Path | str | None = None,
     actor: str = "serving",
@@ -268,7 +272,9 @@ def ensure_fleet(
     return fleet_status(engine, fleet)
 
 
-def _register(engine: "Engine", settings: "Settings", urls: list[str], model_dir: Path | str | None, actor: str) -> None:
+def _register(
+    engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str
+) -> None:
     from trainer.registry import register_base
 
     fleet = settings.serving.fleet
@@ -332,7 +338,7 @@ def _register(engine: "Engine", settings: "Settings", urls: list[str], model_dir
         session.commit()
 
 
-def set_replica(engine: "Engine", url: str, **values: Any) -> None:
+def set_replica(engine: Engine, url: str, **values: Any) -> None:
     """Update a replica row's columns (``updated_at`` set to now); commits at once."""
     with Session(engine) as session:
         row = session.scalars(select(Replica).where(Replica.url == url)).one()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -81,7 +81,7 @@ def check() -> None:
     typer.echo(f"{len(rows)} replica(s) healthy")
 
 
-def _settings(**serving: object) -> "Settings":
+def _settings(**serving: object) -> Settings:
     """The process settings, with the ``serving`` fields given on the command line (None: keep)."""
     from flywheel.config import get_settings
 
@@ -98,8 +98,8 @@ def _logging(level: str) -> None:
 
 @app.command()
 def router(
-    host: Optional[str] = typer.Option(None, help="Bind address (default: serving.router_host)."),
-    port: Optional[int] = typer.Option(None, min=1, max=65535, help="Port (default: serving.router_port)."),
+    host: str | None = typer.Option(None, help="Bind address (default: serving.router_host)."),
+    port: int | None = typer.Option(None, min=1, max=65535, help="Port (default: serving.router_port)."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve the OpenAI-compatible router in front of the fleet (the only public ingress)."""
@@ -111,8 +111,8 @@ def router(
 
 @app.command()
 def admin(
-    host: Optional[str] = typer.Option(None, help="Bind address (default: serving.admin_host)."),
-    port: Optional[int] = typer.Option(None, min=1, max=65535, help="Port (default: serving.admin_port)."),
+    host: str | None = typer.Option(None, help="Bind address (default: serving.admin_host)."),
+    port: int | None = typer.Option(None, min=1, max=65535, help="Port (default: serving.admin_port)."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve the admin API (checkpoints, deploy, promote, rollback, pause flags, audit, tokens)."""

@@ -85,18 +85,28 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
         snap.rewards = conn.execute(text("SELECT count(*) FROM rewards")).scalar_one()
         snap.samples = conn.execute(text("SELECT count(*) FROM training_samples")).scalar_one()
         snap.cycles = dict(conn.execute(text("SELECT status, count(*) FROM training_cycles GROUP BY status")).all())
-        row = conn.execute(
-            text("SELECT id, status, reason, checkpoint_id, started_at, finished_at FROM training_cycles ORDER BY id DESC LIMIT 1")
-        ).mappings().first()
+        row = (
+            conn.execute(
+                text(
+                    "SELECT id, status, reason, checkpoint_id, started_at, finished_at FROM training_cycles ORDER BY id DESC LIMIT 1"
+                )
+            )
+            .mappings()
+            .first()
+        )
         snap.last_cycle = dict(row) if row else None
-        active = conn.execute(
-            text(
-                "SELECT d.id, d.role, d.weight, d.status, d.created_at, d.checkpoint_id, c.policy_version "
-                "FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
-                "WHERE d.fleet = :fleet AND d.status = 'active'"
-            ),
-            {"fleet": fleet},
-        ).mappings().all()
+        active = (
+            conn.execute(
+                text(
+                    "SELECT d.id, d.role, d.weight, d.status, d.created_at, d.checkpoint_id, c.policy_version "
+                    "FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
+                    "WHERE d.fleet = :fleet AND d.status = 'active'"
+                ),
+                {"fleet": fleet},
+            )
+            .mappings()
+            .all()
+        )
         for d in active:
             setattr(snap, d["role"], dict(d))
         live = {
@@ -114,23 +124,32 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
         roles = {d["checkpoint_id"]: d["role"] for d in active}
         outcomes = dict(
             conn.execute(
-                text("SELECT checkpoint_id, status FROM deployments WHERE fleet = :fleet AND role = 'canary' ORDER BY id"),
+                text(
+                    "SELECT checkpoint_id, status FROM deployments WHERE fleet = :fleet AND role = 'canary' ORDER BY id"
+                ),
                 {"fleet": fleet},
             ).all()
         )
         for c in conn.execute(
-            text("SELECT id, policy_version, parent_id, status, created_at, eval FROM checkpoints ORDER BY created_at, id")
+            text(
+                "SELECT id, policy_version, parent_id, status, created_at, eval FROM checkpoints ORDER BY created_at, id"
+            )
         ).mappings():
             heldout = _heldout(c["eval"])
             lv = live.get(c["policy_version"])
             snap.checkpoints.append(
                 CheckpointView(
-                    id=c["id"], policy_version=c["policy_version"], parent_id=c["parent_id"], status=c["status"],
-                    created_at=c["created_at"], heldout=heldout,
+                    id=c["id"],
+                    policy_version=c["policy_version"],
+                    parent_id=c["parent_id"],
+                    status=c["status"],
+                    created_at=c["created_at"],
+                    heldout=heldout,
                     live_sessions=int(lv["n"]) if lv else 0,
                     live_success=float(lv["success"]) if lv and lv["success"] is not None else None,
                     live_reward=float(lv["reward"]) if lv and lv["reward"] is not None else None,
-                    deployed_as=roles.get(c["id"]), canary_outcome=outcomes.get(c["id"]),
+                    deployed_as=roles.get(c["id"]),
+                    canary_outcome=outcomes.get(c["id"]),
                 )  # fmt: skip
             )
         counts = dict(
@@ -144,9 +163,15 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
         )
         snap.promotions = int(counts.get("promoted", 0))
         snap.rollbacks = int(counts.get("rolled_back", 0))
-        row = conn.execute(
-            text("SELECT at, actor, action, details, success FROM audit_log WHERE action LIKE 'canary.%' ORDER BY id DESC LIMIT 1")
-        ).mappings().first()
+        row = (
+            conn.execute(
+                text(
+                    "SELECT at, actor, action, details, success FROM audit_log WHERE action LIKE 'canary.%' ORDER BY id DESC LIMIT 1"
+                )
+            )
+            .mappings()
+            .first()
+        )
         snap.last_decision = dict(row) if row else None
         if with_decisions:
             snap.decisions = [

@@ -103,7 +103,9 @@ def read_table(engine: Engine, fleet: str) -> RoutingTable:
         .where(Deployment.fleet == fleet, Deployment.status == "active")
         .order_by(Deployment.id)
     )
-    replicas = select(Replica.url, Replica.state, Replica.policy_version).where(Replica.fleet == fleet).order_by(Replica.id)
+    replicas = (
+        select(Replica.url, Replica.state, Replica.policy_version).where(Replica.fleet == fleet).order_by(Replica.id)
+    )
     with engine.connect() as conn:
         entries = {
             row.role: routing.DeploymentEntry(row.role, row.policy_version, float(row.weight), int(row.id))
@@ -127,7 +129,9 @@ class _LiveGauges:
             "flywheel_router_outstanding_requests", "Requests in flight per replica", labels=["replica"]
         )
         up = GaugeMetricFamily(
-            "flywheel_router_replica_routable", "1 when the replica gets new requests", labels=["replica", "policy_version"]
+            "flywheel_router_replica_routable",
+            "1 when the replica gets new requests",
+            labels=["replica", "policy_version"],
         )
         routable = {v.url for views in self.router.routes.by_version.values() for v in views}
         for row in self.router.table.replicas:
@@ -150,13 +154,16 @@ class Metrics:
             "flywheel_router_upstream_failures", "Failed upstream attempts and probes, by replica and kind",
             ["replica", "kind"], registry=self.registry,
         )  # fmt: skip
+
         def counter(name: str, doc: str, label: str) -> Counter:
             return Counter(name, doc, [label], registry=self.registry)
 
         self.retries = counter("flywheel_router_retries", "Requests retried on another replica", "policy_version")
         self.ejections = counter("flywheel_router_ejections", "Replicas ejected", "replica")
         self.rejoins = counter("flywheel_router_rejoins", "Ejected replicas back after a passing probe", "replica")
-        self.rejected = counter("flywheel_router_rejected", "Requests the router answered itself with an error", "status")
+        self.rejected = counter(
+            "flywheel_router_rejected", "Requests the router answered itself with an error", "status"
+        )
         self.stream_errors = counter("flywheel_router_stream_errors", "Streams ended by an upstream failure", "replica")
         self.registry.register(_LiveGauges(router))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total: the router's own CPU
@@ -336,7 +343,7 @@ class Router:
                 if resp.status != 200:
                     raise UpstreamFailed(url, "probe", f"/v1/models answered HTTP {resp.status}")
                 ids = [str(m["id"]) for m in (await resp.json(content_type=None)).get("data", [])]
-        except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamFailed, ValueError, KeyError, AttributeError) as err:
+        except (TimeoutError, aiohttp.ClientError, UpstreamFailed, ValueError, KeyError, AttributeError) as err:
             self._failure(url, "probe", f"{type(err).__name__}: {err}")
         else:
             self.models[url] = ids
@@ -372,7 +379,11 @@ class Router:
             if decision is not None:
                 return decision
             if not await self._wait_for_change(deadline):
-                raise RouterError(503, f"no routable replica in fleet {self.cfg.fleet!r}: {self.why_unroutable()}", "service_unavailable")
+                raise RouterError(
+                    503,
+                    f"no routable replica in fleet {self.cfg.fleet!r}: {self.why_unroutable()}",
+                    "service_unavailable",
+                )
 
     async def pick(self, version: str, tried: set[str]) -> _Attempt | None:
         """A routable replica of ``version`` not yet ``tried`` (waits up to ``wait_s`` for a first one)."""
@@ -390,7 +401,7 @@ class Router:
             return False
         try:
             await asyncio.wait_for(self._changed.wait(), remaining)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -419,14 +430,18 @@ class Router:
             elif health.ejected:
                 parts.append(f"{row.url} ejected ({health.last_error})")
             elif health.weight_version != row.policy_version:
-                parts.append(f"{row.url} reports weight version {health.weight_version!r}, its row says {row.policy_version!r}")
+                parts.append(
+                    f"{row.url} reports weight version {health.weight_version!r}, its row says {row.policy_version!r}"
+                )
             else:
                 parts.append(f"{row.url} tried already")
         return "; ".join(parts)
 
     # -- proxying ----------------------------------------------------------------------------
 
-    async def proxy(self, path: str, payload: dict[str, Any], session_id: str | None, receive: Receive, send: Send) -> None:
+    async def proxy(
+        self, path: str, payload: dict[str, Any], session_id: str | None, receive: Receive, send: Send
+    ) -> None:
         """Send one completion request to a replica (retrying before the first byte), answer the client."""
         decision = await self.decide(session_id)
         version = decision.policy_version
@@ -457,7 +472,9 @@ class Router:
             detail += f"; {self.why_unroutable()}"
         raise RouterError(503, detail, "service_unavailable")
 
-    async def _forward(self, attempt: _Attempt, path: str, body: bytes, stream: bool, receive: Receive, send: Send) -> None:
+    async def _forward(
+        self, attempt: _Attempt, path: str, body: bytes, stream: bool, receive: Receive, send: Send
+    ) -> None:
         """One attempt; raises :class:`UpstreamFailed` only while nothing has been sent to the client."""
         assert self.session is not None
         url = attempt.url
@@ -465,7 +482,7 @@ class Router:
         try:
             try:
                 resp = await self.session.post(url + path, data=body, headers=_UPSTREAM_HEADERS, timeout=self._timeout)
-            except asyncio.TimeoutError as err:
+            except TimeoutError as err:
                 self._failure(url, "timeout", "no response headers in time")
                 raise UpstreamFailed(url, "timeout", str(err) or "timed out") from err
             except aiohttp.ClientError as err:
@@ -490,7 +507,7 @@ class Router:
     async def _whole(self, attempt: _Attempt, resp: aiohttp.ClientResponse, content_type: bytes, send: Send) -> None:
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "read", f"{type(err).__name__}: {err}")
             raise UpstreamFailed(attempt.url, "connection lost", f"{type(err).__name__}: {err}") from err
         if resp.status == 200 and content_type.startswith(b"application/json"):
@@ -507,7 +524,7 @@ class Router:
         content = resp.content
         try:
             first = await content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "read", f"{type(err).__name__}: {err}")
             raise UpstreamFailed(attempt.url, "connection lost", f"{type(err).__name__}: {err}") from err
         headers = [(b"content-type", content_type), (b"cache-control", b"no-cache"), *attempt.headers]
@@ -525,7 +542,7 @@ class Router:
                 chunk = await content.readany()
             if SSE_DONE not in tail:
                 raise aiohttp.ClientPayloadError("the replica ended the stream without its final [DONE] event")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "stream", f"{type(err).__name__}: {err}")
             self.metrics.stream_errors.labels(attempt.url).inc()
             await send({"type": "http.response.body", "body": sse_error(attempt, err), "more_body": True})
@@ -550,7 +567,9 @@ class Router:
                     "owned_by": "flywheel",
                     "flywheel": {
                         "role": role,
-                        "weight": self.table.canary_weight if role == "canary" else (1.0 - self.table.canary_weight if role else None),
+                        "weight": self.table.canary_weight
+                        if role == "canary"
+                        else (1.0 - self.table.canary_weight if role else None),
                         "replicas": len(self.routes.by_version[version]),
                         "deployment_id": entry.deployment_id if entry else None,
                     },
@@ -580,13 +599,17 @@ def splice_tag(data: bytes, tag: bytes) -> bytes:
 def sse_error(attempt: _Attempt, err: BaseException) -> bytes:
     """An SSE ``error`` event (what the openai client raises as an APIError) ending a broken stream."""
     message = f"the replica {attempt.url} serving policy version {attempt.version} failed mid-stream: {type(err).__name__}: {err}"
-    return b"data: " + json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}}).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}}).encode()
+        + b"\n\n"
+    )
 
 
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return b""
 
 
@@ -638,7 +661,9 @@ class RouterApp:
                     raise RouterError(405, f"{path} takes GET, not {method}", "method_not_allowed")
                 await self._local(path, send)
             else:
-                raise RouterError(404, f"no route {path}: the router serves only {sorted(PROXIED | LOCAL_GET)}", "not_found")
+                raise RouterError(
+                    404, f"no route {path}: the router serves only {sorted(PROXIED | LOCAL_GET)}", "not_found"
+                )
         except RouterError as err:
             self.router.metrics.rejected.labels(str(err.status)).inc()
             await _respond(send, err.status, err.body())
@@ -652,7 +677,9 @@ class RouterApp:
         elif path == "/v1/models":
             await _respond(send, 200, router.models_body())
         else:
-            await _respond(send, 200, generate_latest(router.metrics.registry), b"text/plain; version=0.0.4; charset=utf-8")
+            await _respond(
+                send, 200, generate_latest(router.metrics.registry), b"text/plain; version=0.0.4; charset=utf-8"
+            )
 
     async def _completion(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
         session_id = None
@@ -661,7 +688,11 @@ class RouterApp:
                 if not value.isdigit():
                     raise RouterError(400, "content-length is not a number", "invalid_request_error")
                 if int(value) > MAX_BODY_BYTES:
-                    raise RouterError(413, f"request body of {int(value)} bytes exceeds the limit of {MAX_BODY_BYTES}", "request_too_large")
+                    raise RouterError(
+                        413,
+                        f"request body of {int(value)} bytes exceeds the limit of {MAX_BODY_BYTES}",
+                        "request_too_large",
+                    )
             elif name == b"x-flywheel-session-id":
                 session_id = value.decode("latin-1") or None
         raw = await _read_body(receive)

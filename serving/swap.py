@@ -185,10 +185,19 @@ def verify_replica(url: str, expected_version: str, model: str, strategy: SwapSt
     if not strategy.reports(url, target):
         actual = vllm_admin.weight_info(url) if strategy.exclusive else "(adapter not listed)"
         raise SwapVerifyError(f"{url} reports {actual!r}, expected {expected_version!r}")
-    body = {"model": model, "prompt": VERIFY_PROMPT, "max_tokens": 4, "temperature": 0.0, "logprobs": 1, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": VERIFY_PROMPT,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "ignore_eos": True,
+    }
     response = _verification_completion(url, body)
     if response.status_code != 200:
-        raise SwapVerifyError(f"verification completion on {url} answered HTTP {response.status_code}: {response.text[:500]}")
+        raise SwapVerifyError(
+            f"verification completion on {url} answered HTTP {response.status_code}: {response.text[:500]}"
+        )
     completion_logprobs(response.json())
 
 
@@ -204,7 +213,13 @@ def _verification_completion(url: str, body: dict[str, Any]) -> httpx.Response:
             return httpx.post(url.rstrip("/") + "/v1/completions", json=body, timeout=per_try)
         except httpx.TimeoutException as err:
             timeout, paused = err, _paused_or_none(url)
-            log.warning("%s: verification completion timed out (attempt %d of %d, paused: %s)", url, attempt, VERIFY_ATTEMPTS, paused)
+            log.warning(
+                "%s: verification completion timed out (attempt %d of %d, paused: %s)",
+                url,
+                attempt,
+                VERIFY_ATTEMPTS,
+                paused,
+            )
         except httpx.HTTPError as err:
             raise SwapVerifyError(f"verification completion on {url} failed: {type(err).__name__}: {err}") from err
     raise SwapVerifyError(
@@ -248,7 +263,7 @@ def _as_target(row: Checkpoint | None) -> Target | None:
     return Target(row.id, row.policy_version, row.path, row.format) if row is not None else None
 
 
-def _audit(engine: "Engine", actor: str, result: SwapResult, before: dict[str, Any]) -> None:
+def _audit(engine: Engine, actor: str, result: SwapResult, before: dict[str, Any]) -> None:
     with Session(engine) as session:
         session.add(
             AuditLog(
@@ -256,7 +271,10 @@ def _audit(engine: "Engine", actor: str, result: SwapResult, before: dict[str, A
                 action="replica.swap",
                 target=result.url,
                 before=before,
-                after={"policy_version": result.to_version if result.ok else result.from_version, "state": result.state},
+                after={
+                    "policy_version": result.to_version if result.ok else result.from_version,
+                    "state": result.state,
+                },
                 details=result.to_dict(),
                 success=result.ok,
             )
@@ -265,8 +283,8 @@ def _audit(engine: "Engine", actor: str, result: SwapResult, before: dict[str, A
 
 
 def swap_replica(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     url: str,
     checkpoint_id: str,
     deployment_id: int | None,
@@ -290,21 +308,35 @@ def swap_replica(
         if replica is None:
             raise DeployError("not_found", f"replica {url} is not registered (run ensure_fleet first)")
         target = _target(session, checkpoint_id)
-        before = {"policy_version": replica.policy_version, "checkpoint_id": replica.checkpoint_id, "state": replica.state}
+        before = {
+            "policy_version": replica.policy_version,
+            "checkpoint_id": replica.checkpoint_id,
+            "state": replica.state,
+        }
         row_checkpoint = _as_target(session.get(Checkpoint, replica.checkpoint_id)) if replica.checkpoint_id else None
-    result = SwapResult(url, None, target.policy_version, ok=False, reverted=False, reason=None, checkpoint_id=target.checkpoint_id)
+    result = SwapResult(
+        url, None, target.policy_version, ok=False, reverted=False, reason=None, checkpoint_id=target.checkpoint_id
+    )
     try:
         _swap(engine, settings, strategy, verify, url, target, deployment_id, row_checkpoint, result)
     finally:
         result.total_ms = (time.monotonic() - start) * 1000.0
         _audit(engine, actor, result, before)
-    log.info("swap %s %s -> %s: ok=%s reverted=%s reason=%s", url, result.from_version, result.to_version, result.ok, result.reverted, result.reason)
+    log.info(
+        "swap %s %s -> %s: ok=%s reverted=%s reason=%s",
+        url,
+        result.from_version,
+        result.to_version,
+        result.ok,
+        result.reverted,
+        result.reason,
+    )
     return result
 
 
 def _swap(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     strategy: SwapStrategy,
     verify: Verifier,
     url: str,
@@ -314,7 +346,11 @@ def _swap(
     result: SwapResult,
 ) -> None:
     """The steps of :func:`swap_replica`; fills ``result`` and the replica row."""
-    serving = {"policy_version": target.policy_version, "checkpoint_id": target.checkpoint_id, "deployment_id": deployment_id}
+    serving = {
+        "policy_version": target.policy_version,
+        "checkpoint_id": target.checkpoint_id,
+        "deployment_id": deployment_id,
+    }
     # 0. what it serves now, and a refusal of bad files before anything is touched
     try:
         result.from_version = vllm_admin.weight_info(url)
@@ -369,7 +405,7 @@ def _swap(
     _finish(engine, result, "serving", None, **serving)
 
 
-def _finish(engine: "Engine", result: SwapResult, state: str, reason: str | None, **values: Any) -> None:
+def _finish(engine: Engine, result: SwapResult, state: str, reason: str | None, **values: Any) -> None:
     result.state = state
     if reason is not None:
         result.reason = reason
@@ -377,7 +413,7 @@ def _finish(engine: "Engine", result: SwapResult, state: str, reason: str | None
 
 
 def _already_there(
-    engine: "Engine",
+    engine: Engine,
     strategy: SwapStrategy,
     verify: Verifier,
     url: str,
@@ -397,7 +433,7 @@ def _already_there(
 
 
 def _back_to_serving(
-    engine: "Engine",
+    engine: Engine,
     strategy: SwapStrategy,
     verify: Verifier,
     url: str,
@@ -421,8 +457,8 @@ def _back_to_serving(
 
 
 def _revert(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     strategy: SwapStrategy,
     verify: Verifier,
     url: str,
@@ -456,8 +492,8 @@ def _revert(
 
 
 def _load_adapter(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     strategy: SwapStrategy,
     verify: Verifier,
     url: str,
@@ -482,8 +518,8 @@ def _load_adapter(
 
 
 def rolling_swap(
-    engine: "Engine",
-    settings: "Settings",
+    engine: Engine,
+    settings: Settings,
     urls: list[str],
     checkpoint_id: str,
     deployment_id: int | None,

@@ -69,7 +69,7 @@ class BaselineState:
         return {"means": dict(self.means), "counts": dict(self.counts)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "BaselineState":
+    def from_dict(cls, data: dict[str, Any] | None) -> BaselineState:
         """Inverse of :meth:`to_dict`; ``None`` or ``{}`` gives an empty state."""
         data = data or {}
         return cls(
@@ -92,7 +92,7 @@ def compute_advantages(
     samples: Sequence[AdvInput],
     config: AdvantageConfig,
     state: BaselineState | None = None,
-    features: "torch.Tensor | None" = None,
+    features: torch.Tensor | None = None,
 ) -> AdvantageResult:
     """Advantages of ``samples`` (see the module docstring).
 
@@ -193,7 +193,7 @@ def running_mean_baseline(
     return out
 
 
-def value_baseline(features: "torch.Tensor", rewards: Sequence[float], l2: float) -> list[float]:
+def value_baseline(features: torch.Tensor, rewards: Sequence[float], l2: float) -> list[float]:
     """Leave-one-out predictions of a ridge regression (with bias) from ``features`` to ``rewards``.
 
     Closed form: with the hat matrix H = X (XᵀX + λI)⁻¹ Xᵀ, the prediction for row i

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -80,7 +80,7 @@ class CheckpointSidecar(BaseModel):
     """The eval gate's decision and both evaluations."""
     status: Literal["candidate", "rejected"]
     versions: dict[str, str] = Field(default_factory=dict)
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
 def sample_ids_hash(ids: Iterable[int]) -> str:
@@ -103,7 +103,7 @@ def is_complete(folder: Path, fmt: Format) -> bool:
     return all((folder / name).is_file() for name in required_files(fmt))
 
 
-def stage(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", root: Path, checkpoint_id: str) -> Path:
+def stage(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path, checkpoint_id: str) -> Path:
     """Write weights (or the adapter) and tokenizer into a new temporary folder under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{checkpoint_id}-", dir=root))
@@ -161,7 +161,7 @@ def delete(folder: Path) -> None:
 
 def load_policy(
     path: Path | str, fmt: Format, base_model: str | None, trainable: bool
-) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a checkpoint as a float32 model (a peft model for ``lora``) and its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -209,7 +209,7 @@ class LoraSpec:
 
 def load_trainable(
     parent: PolicyRef, mode: Format, lora: LoraSpec, seed: int
-) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase", str]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The parent as a trainable policy in ``mode``, its tokenizer, and the new checkpoint's ``base_model``.
 
     - full from full: every weight trainable; full from LoRA: the adapter merged first.

@@ -43,8 +43,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OPERATIONAL_FIELDS = {
-    "schedule_seconds", "time_limit_s", "queue", "checkpoint_dir", "metrics_port", "metrics_textfile",
-    "show_progress", "keep_latest", "keep_deployed_days", "torch_threads", "window_settle_s",
+    "schedule_seconds",
+    "time_limit_s",
+    "queue",
+    "checkpoint_dir",
+    "metrics_port",
+    "metrics_textfile",
+    "show_progress",
+    "keep_latest",
+    "keep_deployed_days",
+    "torch_threads",
+    "window_settle_s",
 }
 """TrainerSettings fields that do not shape the update (left out of the config hash)."""
 
@@ -106,7 +115,7 @@ def run_cycle(key: str, trigger: str = "manual", settings: Settings | None = Non
             return _run_locked(session, key, trigger, settings)
 
 
-def _run_locked(session: "Session", key: str, trigger: str, settings: Settings) -> CycleOutcome:
+def _run_locked(session: Session, key: str, trigger: str, settings: Settings) -> CycleOutcome:
     """The cycle proper, with the lock held."""
     from trainer import ckpt
     from trainer.metrics import TrainerMetrics
@@ -116,7 +125,9 @@ def _run_locked(session: "Session", key: str, trigger: str, settings: Settings) 
     metrics = TrainerMetrics(t.metrics_textfile)
     pause = registry.pause_state(session)
     if pause.paused:
-        reason = f"paused by {pause.actor} at {pause.at:%Y-%m-%d %H:%M:%S%z}" + (f": {pause.reason}" if pause.reason else "")
+        reason = f"paused by {pause.actor} at {pause.at:%Y-%m-%d %H:%M:%S%z}" + (
+            f": {pause.reason}" if pause.reason else ""
+        )
         cycle_id = registry.insert_cycle(session, key, trigger, "skipped", reason)
         _export(session, metrics, "skipped", {})
         return CycleOutcome(cycle_id, "skipped", reason)
@@ -148,7 +159,7 @@ def _run_locked(session: "Session", key: str, trigger: str, settings: Settings) 
 
 
 def _train(
-    session: "Session", cycle_id: int, settings: Settings, base_id: str, deadline: float, metrics: Any
+    session: Session, cycle_id: int, settings: Settings, base_id: str, deadline: float, metrics: Any
 ) -> CycleOutcome:
     """Select, train, stage, gate, publish; returns the candidate/rejected outcome."""
     from trainer import ckpt, gate, select
@@ -258,12 +269,21 @@ def _train(
         if tmp.exists():
             shutil.rmtree(tmp)
     registry.add_checkpoint(
-        session, sidecar, path, decision.reason,
+        session,
+        sidecar,
+        path,
+        decision.reason,
         {"heldout": {decision.key: candidate_eval}, "gate": decision.to_dict()},
     )
     registry.update_cycle(
-        session, cycle_id, commit=False, status=status, reason=decision.reason, checkpoint_id=checkpoint_id,
-        sample_ids=sidecar.sample_ids, metrics=summary | {"phase": "done"},
+        session,
+        cycle_id,
+        commit=False,
+        status=status,
+        reason=decision.reason,
+        checkpoint_id=checkpoint_id,
+        sample_ids=sidecar.sample_ids,
+        metrics=summary | {"phase": "done"},
     )
     session.commit()
     log.info("cycle %d: %s %s (%s)", cycle_id, status, checkpoint_id, decision.reason)
@@ -283,7 +303,7 @@ def base_model_dir(settings: Settings) -> Path:
     return folder
 
 
-def parent_checkpoint_id(session: "Session", t: TrainerSettings, base_id: str) -> str:
+def parent_checkpoint_id(session: Session, t: TrainerSettings, base_id: str) -> str:
     """What this cycle trains from (``trainer.parent``)."""
     if t.parent == "latest":
         return registry.latest_trained_id(session) or registry.stable_checkpoint_id(session) or base_id
@@ -295,14 +315,14 @@ def parent_checkpoint_id(session: "Session", t: TrainerSettings, base_id: str) -
 
 def prepare_batch(
     samples: list[Sample],
-    model: "PreTrainedModel",
-    tokenizer: "PreTrainedTokenizerBase",
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     t: TrainerSettings,
     baseline_state: dict[str, Any],
-) -> tuple[list["StepSample"], Any]:
+) -> tuple[list[StepSample], Any]:
     """Advantages for ``samples`` and the step's view of them (samples beyond the context are dropped)."""
     from trainer.advantages import AdvantageConfig, AdvInput, BaselineState, compute_advantages
-    from trainer.step import StepSample, prompt_features
+    from trainer.step import prompt_features
 
     limit = int(getattr(model.config, "max_position_embeddings", 10**9))
     fitting = [s for s in samples if len(s.prompt_token_ids) + len(s.completion_token_ids) <= limit]
@@ -319,23 +339,25 @@ def prepare_batch(
     return [_step_sample(s, a) for s, a in zip(fitting, adv.advantages)], adv
 
 
-def _step_sample(s: Sample, advantage: float) -> "StepSample":
+def _step_sample(s: Sample, advantage: float) -> StepSample:
     from trainer.step import StepSample
 
-    return StepSample(s.id, s.prompt_token_ids, s.completion_token_ids, s.loss_mask, s.behaviour_logprobs, advantage, s.reward)
+    return StepSample(
+        s.id, s.prompt_token_ids, s.completion_token_ids, s.loss_mask, s.behaviour_logprobs, advantage, s.reward
+    )
 
 
 def train(
-    model: "PreTrainedModel",
-    tokenizer: "PreTrainedTokenizerBase",
-    samples: list["StepSample"],
-    parent: "PolicyRef",
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: list[StepSample],
+    parent: PolicyRef,
     base_model: str,
     t: TrainerSettings,
     deadline: float,
     on_step: Any,
     root: Path,
-) -> tuple["TrainResult", "PreTrainedModel"]:
+) -> tuple[TrainResult, PreTrainedModel]:
     """The update, in this process or under torchrun; returns the result and the trained model."""
     from trainer.step import train_on_batch
 
@@ -388,8 +410,12 @@ def gate_config_of(t: TrainerSettings) -> Any:
     from trainer.gate import GateConfig
 
     return GateConfig(
-        n=t.gate_n, seed=t.gate_seed, margin=t.gate_margin, max_new_tokens=t.gate_max_new_tokens,
-        batch_size=t.gate_batch_size, temperature=t.sampling_temperature,
+        n=t.gate_n,
+        seed=t.gate_seed,
+        margin=t.gate_margin,
+        max_new_tokens=t.gate_max_new_tokens,
+        batch_size=t.gate_batch_size,
+        temperature=t.sampling_temperature,
     )
 
 
@@ -423,7 +449,7 @@ def _torch_threads(t: TrainerSettings) -> None:
         torch.set_num_threads(t.torch_threads)
 
 
-def _export(session: "Session", metrics: Any, status: str, summary: dict[str, Any]) -> None:
+def _export(session: Session, metrics: Any, status: str, summary: dict[str, Any]) -> None:
     """Write the Prometheus text file: this cycle's summary and the registry's cycle counts."""
     from sqlalchemy import func, select
 
@@ -434,7 +460,9 @@ def _export(session: "Session", metrics: Any, status: str, summary: dict[str, An
 
 
 def _outcome_of(row: Any, replayed: bool) -> CycleOutcome:
-    return CycleOutcome(row.id, row.status, row.reason, row.checkpoint_id, row.checkpoint_id, dict(row.metrics or {}), replayed)
+    return CycleOutcome(
+        row.id, row.status, row.reason, row.checkpoint_id, row.checkpoint_id, dict(row.metrics or {}), replayed
+    )
 
 
 def _iso(value: Any) -> str | None:

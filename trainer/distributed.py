@@ -37,7 +37,7 @@ class DistributedFailed(RuntimeError):
     """torchrun exited with an error."""
 
 
-def write_batch(path: Path, parent: "PolicyRef", samples: list["StepSample"], settings: "TrainerSettings") -> None:
+def write_batch(path: Path, parent: PolicyRef, samples: list[StepSample], settings: TrainerSettings) -> None:
     """Everything a rank needs, in one file."""
     import torch
 
@@ -51,8 +51,8 @@ def write_batch(path: Path, parent: "PolicyRef", samples: list["StepSample"], se
 
 
 def launch(
-    parent: "PolicyRef", samples: list["StepSample"], settings: "TrainerSettings", root: Path, timeout_s: float
-) -> tuple["TrainResult", Path]:
+    parent: PolicyRef, samples: list[StepSample], settings: TrainerSettings, root: Path, timeout_s: float
+) -> tuple[TrainResult, Path]:
     """Run the step under torchrun; returns its result and the folder of the trained model.
 
     The work folder is a ``.tmp-`` folder under ``root`` (removed by the caller, or swept
@@ -64,9 +64,18 @@ def launch(
     work = Path(tempfile.mkdtemp(prefix=".tmp-dist-", dir=root))
     write_batch(work / "batch.pt", parent, samples, settings)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(settings.nproc_per_node),
-        "-m", "trainer.distributed", "--batch", str(work / "batch.pt"), "--out", str(work),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(settings.nproc_per_node),
+        "-m",
+        "trainer.distributed",
+        "--batch",
+        str(work / "batch.pt"),
+        "--out",
+        str(work),
     ]
     done = subprocess.run(command, timeout=timeout_s, capture_output=True, text=True)
     if done.returncode != 0:
@@ -80,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default=None, help="override trainer.distributed_strategy")
+    parser.add_argument(
+        "--strategy", choices=["ddp", "fsdp"], default=None, help="override trainer.distributed_strategy"
+    )
     parser.add_argument("--no-save", action="store_true", help="write digests and metrics only")
     args = parser.parse_args(argv)
 
@@ -111,13 +122,26 @@ def main(argv: list[str] | None = None) -> int:
         config = step_config(settings)
         config = type(config)(**{**config.__dict__, "show_progress": config.show_progress and rank == 0})
         result = train_on_batch(
-            model, samples, config, tokenizer.pad_token_id or 0, DistInfo(rank, world, strategy)  # type: ignore[arg-type]
+            model,
+            samples,
+            config,
+            tokenizer.pad_token_id or 0,
+            DistInfo(rank, world, strategy),  # type: ignore[arg-type]
         )
         final = weights_digest(model)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{rank}.json").write_text(
-            json.dumps({"rank": rank, "world": world, "strategy": strategy, "initial": initial, "final": final,
-                        "loss_before": result.loss_before, "loss_after": result.loss_after})
+            json.dumps(
+                {
+                    "rank": rank,
+                    "world": world,
+                    "strategy": strategy,
+                    "initial": initial,
+                    "final": final,
+                    "loss_before": result.loss_before,
+                    "loss_after": result.loss_after,
+                }
+            )
         )
         if not args.no_save:
             save_rank0(model, tokenizer, args.out / "model", rank, strategy)

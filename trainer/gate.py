@@ -56,7 +56,7 @@ def eval_key(config: GateConfig) -> str:
     return f"{arith.TASK_VERSION}/heldout/n{config.n}/s{config.seed}/t{config.temperature}/m{config.max_new_tokens}"
 
 
-def evaluate(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", config: GateConfig) -> dict[str, Any]:
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GateConfig) -> dict[str, Any]:
     """Held-out success of a loaded policy under ``config``."""
     from flywheel.model.eval import heldout_success
 

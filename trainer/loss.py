@@ -45,19 +45,19 @@ class LossConfig:
 class TokenLoss:
     """Per-token loss (with gradient) and detached per-token diagnostics."""
 
-    loss: "torch.Tensor"
-    ratio: "torch.Tensor"
-    clipped: "torch.Tensor"
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
     """True where the clip or truncation changed the token's contribution."""
-    kl: "torch.Tensor | None"
+    kl: torch.Tensor | None
 
 
 def token_loss(
-    logp: "torch.Tensor",
-    behaviour_logp: "torch.Tensor",
-    advantages: "torch.Tensor",
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
     config: LossConfig,
-    ref_logp: "torch.Tensor | None" = None,
+    ref_logp: torch.Tensor | None = None,
 ) -> TokenLoss:
     """The loss of each trained token (see the module docstring)."""
     import torch
@@ -87,7 +87,7 @@ def token_loss(
     return TokenLoss(loss=loss, ratio=ratio.detach(), clipped=clipped, kl=kl)
 
 
-def kl_k3(logp: "torch.Tensor", ref_logp: "torch.Tensor") -> "torch.Tensor":
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """The k3 estimate of KL(policy || reference) per token, for metrics."""
     import torch
 

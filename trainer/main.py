@@ -44,9 +44,21 @@ def worker(
     from trainer.celery_app import app as celery_app
 
     argv = [
-        "worker", "-Q", get_settings().trainer.queue, "--concurrency", str(concurrency), "--pool", pool,
-        "--loglevel", loglevel, "--max-tasks-per-child", str(max_tasks_per_child), "--without-gossip",
-        "--without-mingle", "--hostname", f"trainer-{uuid.uuid4().hex[:6]}@%h",
+        "worker",
+        "-Q",
+        get_settings().trainer.queue,
+        "--concurrency",
+        str(concurrency),
+        "--pool",
+        pool,
+        "--loglevel",
+        loglevel,
+        "--max-tasks-per-child",
+        str(max_tasks_per_child),
+        "--without-gossip",
+        "--without-mingle",
+        "--hostname",
+        f"trainer-{uuid.uuid4().hex[:6]}@%h",
     ]
     celery_app.worker_main(argv)
 
@@ -119,11 +131,20 @@ def status(limit: int = typer.Option(10, min=1, help="Rows of each table.")) -> 
         console.print(f"[bold]trainer[/bold]: {'PAUSED by ' + str(state.actor) if state.paused else 'running'}")
         cycles = Table("id", "trigger", "status", "reason", "checkpoint", "started", title="cycles")
         for c in registry.recent_cycles(session, limit):
-            cycles.add_row(str(c.id), c.trigger, c.status, (c.reason or "")[:80], c.checkpoint_id or "", f"{c.started_at:%Y-%m-%d %H:%M:%S}")
+            cycles.add_row(
+                str(c.id),
+                c.trigger,
+                c.status,
+                (c.reason or "")[:80],
+                c.checkpoint_id or "",
+                f"{c.started_at:%Y-%m-%d %H:%M:%S}",
+            )
         console.print(cycles)
         ckpts = Table("id", "parent", "format", "status", "samples", "created", title="checkpoints")
         for k in registry.recent_checkpoints(session, limit):
-            ckpts.add_row(k.id, k.parent_id or "", k.format, k.status, str(k.n_samples), f"{k.created_at:%Y-%m-%d %H:%M:%S}")
+            ckpts.add_row(
+                k.id, k.parent_id or "", k.format, k.status, str(k.n_samples), f"{k.created_at:%Y-%m-%d %H:%M:%S}"
+            )
         console.print(ckpts)
 
 
@@ -134,8 +155,12 @@ def check() -> None:
 
     settings = get_settings()
     problems = []
-    for name, probe in (("postgres", _check_postgres), ("redis", _check_redis), ("base model", _check_model),
-                        ("checkpoint dir", _check_ckpt_dir)):
+    for name, probe in (
+        ("postgres", _check_postgres),
+        ("redis", _check_redis),
+        ("base model", _check_model),
+        ("checkpoint dir", _check_ckpt_dir),
+    ):
         try:
             detail = probe(settings)
             typer.echo(f"ok    {name}: {detail}")

@@ -47,11 +47,15 @@ class TrainerMetrics:
         self.textfile = Path(textfile)
         self.registry = CollectorRegistry()
         self.step = {k: Gauge(f"{PREFIX}_step_{k}", doc, registry=self.registry) for k, doc in STEP_FIELDS.items()}
-        self.steps_total = Gauge(f"{PREFIX}_cycle_steps", "Optimizer steps of the current cycle so far.", registry=self.registry)
+        self.steps_total = Gauge(
+            f"{PREFIX}_cycle_steps", "Optimizer steps of the current cycle so far.", registry=self.registry
+        )
         self.cycle = {k: Gauge(f"{PREFIX}_cycle_{k}", doc, registry=self.registry) for k, doc in CYCLE_FIELDS.items()}
         self.cycles = Gauge(f"{PREFIX}_cycles", "Cycles in the registry by status.", ["status"], registry=self.registry)
         self.last_cycle = Gauge(
-            f"{PREFIX}_last_cycle_timestamp_seconds", "When the last cycle of each status finished.", ["status"],
+            f"{PREFIX}_last_cycle_timestamp_seconds",
+            "When the last cycle of each status finished.",
+            ["status"],
             registry=self.registry,
         )
 

@@ -41,7 +41,7 @@ WORKER_LOST = "worker lost"
 
 
 @contextmanager
-def cycle_lock(engine: "Engine") -> Iterator[bool]:
+def cycle_lock(engine: Engine) -> Iterator[bool]:
     """Try the cycle lock without waiting; yields whether it is held, releases it on exit."""
     conn = engine.connect()
     held = False
@@ -61,7 +61,7 @@ def cycle_lock(engine: "Engine") -> Iterator[bool]:
 # --------------------------------------------------------------------------- base and lineage
 
 
-def register_base(session: "Session", model_dir: Path | str) -> str:
+def register_base(session: Session, model_dir: Path | str) -> str:
     """Register the built base model as the root checkpoint (idempotent); return its id.
 
     The id and policy version are the sidecar's ``base-<key8>``; the build-time held-out
@@ -74,7 +74,9 @@ def register_base(session: "Session", model_dir: Path | str) -> str:
     model_dir = Path(model_dir).resolve()
     sidecar = read_sidecar(model_dir)
     held = sidecar.heldout
-    key = eval_key(GateConfig(n=held.n, seed=held.seed, temperature=held.temperature, max_new_tokens=DEFAULT_MAX_NEW_TOKENS))
+    key = eval_key(
+        GateConfig(n=held.n, seed=held.seed, temperature=held.temperature, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    )
     statement = (
         insert(Checkpoint)
         .values(
@@ -98,17 +100,20 @@ def register_base(session: "Session", model_dir: Path | str) -> str:
     return sidecar.policy_version
 
 
-def lineage(session: "Session") -> dict[str, tuple[str | None, str]]:
+def lineage(session: Session) -> dict[str, tuple[str | None, str]]:
     """Every checkpoint id mapped to ``(parent_id, policy_version)``."""
-    return {r.id: (r.parent_id, r.policy_version) for r in session.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.policy_version))}
+    return {
+        r.id: (r.parent_id, r.policy_version)
+        for r in session.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.policy_version))
+    }
 
 
-def serving_checkpoint_ids(session: "Session") -> list[str]:
+def serving_checkpoint_ids(session: Session) -> list[str]:
     """Checkpoints of active deployments (stable and canary, every fleet)."""
     return list(session.scalars(select(Deployment.checkpoint_id).where(Deployment.status == "active").distinct()))
 
 
-def stable_checkpoint_id(session: "Session") -> str | None:
+def stable_checkpoint_id(session: Session) -> str | None:
     """The checkpoint of the newest active stable deployment, if any."""
     query = (
         select(Deployment.checkpoint_id)
@@ -119,7 +124,7 @@ def stable_checkpoint_id(session: "Session") -> str | None:
     return session.scalars(query).first()
 
 
-def latest_trained_id(session: "Session") -> str | None:
+def latest_trained_id(session: Session) -> str | None:
     """The newest candidate or deployed checkpoint that has a parent (not a root)."""
     query = (
         select(Checkpoint.id)
@@ -156,18 +161,20 @@ def pending_lineage_tip(
     return stable_id
 
 
-def lineage_tip_id(session: "Session", stable_id: str) -> str:
+def lineage_tip_id(session: Session, stable_id: str) -> str:
     """:func:`pending_lineage_tip` over the registry (``trainer.parent = "lineage"``)."""
     rows = session.execute(
         select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status).order_by(Checkpoint.created_at, Checkpoint.id)
     ).all()
     canaries = set(
-        session.scalars(select(Deployment.checkpoint_id).where(Deployment.status == "active", Deployment.role == "canary"))
+        session.scalars(
+            select(Deployment.checkpoint_id).where(Deployment.status == "active", Deployment.role == "canary")
+        )
     )
     return pending_lineage_tip(stable_id, [tuple(r) for r in rows], canaries)
 
 
-def get_checkpoint(session: "Session", checkpoint_id: str) -> Checkpoint:
+def get_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
     """One checkpoint row (raises ``LookupError`` when absent)."""
     row = session.get(Checkpoint, checkpoint_id)
     if row is None:
@@ -175,12 +182,12 @@ def get_checkpoint(session: "Session", checkpoint_id: str) -> Checkpoint:
     return row
 
 
-def last_window_end(session: "Session") -> datetime | None:
+def last_window_end(session: Session) -> datetime | None:
     """End of the newest data window any checkpoint was trained on."""
     return session.scalar(select(func.max(Checkpoint.data_window_end)))
 
 
-def latest_baseline_state(session: "Session") -> dict[str, Any]:
+def latest_baseline_state(session: Session) -> dict[str, Any]:
     """The running-mean baseline state of the newest checkpoint that has one."""
     query = (
         select(Checkpoint.metrics)
@@ -192,7 +199,7 @@ def latest_baseline_state(session: "Session") -> dict[str, Any]:
     return dict(metrics["baseline_state"]) if metrics else {}
 
 
-def db_now(session: "Session") -> datetime:
+def db_now(session: Session) -> datetime:
     """The database clock (window bounds use it, never the worker's clock)."""
     return session.scalar(select(func.now()))
 
@@ -200,13 +207,13 @@ def db_now(session: "Session") -> datetime:
 # --------------------------------------------------------------------------- cycles
 
 
-def cycle_by_key(session: "Session", key: str) -> TrainingCycle | None:
+def cycle_by_key(session: Session, key: str) -> TrainingCycle | None:
     """The cycle started for an idempotency key, if any."""
     return session.scalars(select(TrainingCycle).where(TrainingCycle.idempotency_key == key)).first()
 
 
 def insert_cycle(
-    session: "Session",
+    session: Session,
     key: str | None,
     trigger: str,
     status: str,
@@ -230,7 +237,7 @@ def insert_cycle(
     return row.id
 
 
-def update_cycle(session: "Session", cycle_id: int, commit: bool = True, **values: Any) -> None:
+def update_cycle(session: Session, cycle_id: int, commit: bool = True, **values: Any) -> None:
     """Set columns of a cycle row; a terminal status also sets ``finished_at``."""
     if values.get("status") not in (None, "running"):
         values["finished_at"] = func.now()
@@ -239,7 +246,7 @@ def update_cycle(session: "Session", cycle_id: int, commit: bool = True, **value
         session.commit()
 
 
-def merge_cycle_metrics(session: "Session", cycle_id: int, metrics: dict[str, Any]) -> None:
+def merge_cycle_metrics(session: Session, cycle_id: int, metrics: dict[str, Any]) -> None:
     """Merge ``metrics`` into a cycle row's JSONB metrics (progress while it runs)."""
     session.execute(
         update(TrainingCycle)
@@ -249,7 +256,7 @@ def merge_cycle_metrics(session: "Session", cycle_id: int, metrics: dict[str, An
     session.commit()
 
 
-def fail_stale_cycles(session: "Session") -> list[int]:
+def fail_stale_cycles(session: Session) -> list[int]:
     """Mark every ``running`` cycle ``failed: worker lost``; call only while holding the cycle lock."""
     ids = list(
         session.scalars(
@@ -263,12 +270,12 @@ def fail_stale_cycles(session: "Session") -> list[int]:
     return ids
 
 
-def recent_cycles(session: "Session", limit: int = 10) -> list[TrainingCycle]:
+def recent_cycles(session: Session, limit: int = 10) -> list[TrainingCycle]:
     """The newest cycles."""
     return list(session.scalars(select(TrainingCycle).order_by(TrainingCycle.id.desc()).limit(limit)))
 
 
-def recent_checkpoints(session: "Session", limit: int = 10) -> list[Checkpoint]:
+def recent_checkpoints(session: Session, limit: int = 10) -> list[Checkpoint]:
     """The newest checkpoints."""
     return list(session.scalars(select(Checkpoint).order_by(Checkpoint.created_at.desc()).limit(limit)))
 
@@ -277,8 +284,8 @@ def recent_checkpoints(session: "Session", limit: int = 10) -> list[Checkpoint]:
 
 
 def add_checkpoint(
-    session: "Session",
-    sidecar: "CheckpointSidecar",
+    session: Session,
+    sidecar: CheckpointSidecar,
     path: Path,
     status_reason: str,
     eval_: dict[str, Any],
@@ -310,7 +317,7 @@ def cached_eval(row: Checkpoint, key: str) -> dict[str, Any] | None:
     return (row.eval or {}).get("heldout", {}).get(key)
 
 
-def cache_eval(session: "Session", checkpoint_id: str, key: str, result: dict[str, Any]) -> None:
+def cache_eval(session: Session, checkpoint_id: str, key: str, result: dict[str, Any]) -> None:
     """Store a held-out evaluation in a checkpoint's ``eval`` column."""
     row = get_checkpoint(session, checkpoint_id)
     current = dict(row.eval or {})
@@ -332,7 +339,7 @@ class PauseState:
     reason: str | None = None
 
 
-def pause_state(session: "Session") -> PauseState:
+def pause_state(session: Session) -> PauseState:
     """Paused when the newest ``trainer.pause``/``trainer.resume`` audit entry is a pause."""
     row = session.scalars(
         select(AuditLog)
@@ -345,7 +352,7 @@ def pause_state(session: "Session") -> PauseState:
     return PauseState(row.action == PAUSE_ACTION, row.actor, row.at, (row.details or {}).get("reason"))
 
 
-def set_paused(session: "Session", paused: bool, actor: str, reason: str | None = None) -> PauseState:
+def set_paused(session: Session, paused: bool, actor: str, reason: str | None = None) -> PauseState:
     """Pause or resume the trainer: one append-only audit entry (before/after); returns the new state."""
     before = pause_state(session)
     session.add(
@@ -395,7 +402,7 @@ def retained(rows: Iterable[RetentionInfo], recently_deployed: set[str], keep_la
     return keep
 
 
-def recently_deployed(session: "Session", now: datetime, days: float) -> set[str]:
+def recently_deployed(session: Session, now: datetime, days: float) -> set[str]:
     """Checkpoints deployed now, or whose deployment ended (or which were last deployed) within ``days``."""
     since = now - timedelta(days=days)
     ids = set(
@@ -413,7 +420,7 @@ def recently_deployed(session: "Session", now: datetime, days: float) -> set[str
     return ids
 
 
-def apply_retention(session: "Session", root: Path, keep_latest: int, deployed_days: float) -> list[str]:
+def apply_retention(session: Session, root: Path, keep_latest: int, deployed_days: float) -> list[str]:
     """Delete the files of checkpoints retention does not keep (only under ``root``); mark them ``deleted``."""
     from trainer import ckpt
 

@@ -168,7 +168,7 @@ def validate(sample: Sample) -> None:
 # --------------------------------------------------------------------------- database
 
 
-def fetch_window(session: "Session", window: DataWindow) -> list[SampleMeta]:
+def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
     """Metadata of every ``training_samples`` row inside ``window``."""
     from sqlalchemy import select
 
@@ -182,7 +182,7 @@ def fetch_window(session: "Session", window: DataWindow) -> list[SampleMeta]:
     return [SampleMeta(*row) for row in session.execute(query)]
 
 
-def fetch_samples(session: "Session", ids: Sequence[int]) -> list[Sample]:
+def fetch_samples(session: Session, ids: Sequence[int]) -> list[Sample]:
     """Full rows for ``ids``, in the order of ``ids``; each is validated."""
     from sqlalchemy import select
 

@@ -93,22 +93,22 @@ class DistInfo:
 class MicroBatch:
     """Packed tensors of some samples, and the flat trained-token view of them."""
 
-    input_ids: "torch.Tensor"
-    position_ids: "torch.Tensor"
-    pred_index: "torch.Tensor"
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    pred_index: torch.Tensor
     """Flat index (into rows * width) of the hidden state that predicts each trained token."""
-    target_ids: "torch.Tensor"
-    behaviour_logprobs: "torch.Tensor"
-    advantages: "torch.Tensor"
-    token_sample: "torch.Tensor"
+    target_ids: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    token_sample: torch.Tensor
     """Index (into ``sample_ids``) of the sample of each trained token."""
-    last_prompt_index: "torch.Tensor"
+    last_prompt_index: torch.Tensor
     """Flat index of each sample's last prompt token (prompt features for the value baseline)."""
     sample_ids: list[int]
     n_tokens: int
     """Real (non-padding) tokens."""
 
-    def to(self, device: "torch.device") -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch with its tensors on ``device``."""
         if self.input_ids.device == device:
             return self
@@ -223,7 +223,7 @@ def build_micro_batch(samples: Sequence[StepSample], row_tokens: int, pad_id: in
 
 
 def micro_batches(
-    samples: Sequence[StepSample], config: StepConfig, pad_id: int, device: "torch.device | None" = None
+    samples: Sequence[StepSample], config: StepConfig, pad_id: int, device: torch.device | None = None
 ) -> list[MicroBatch]:
     """``samples`` split by the token budget, each split packed (and moved to ``device``)."""
     groups = split_micro_batches([s.length for s in samples], config.micro_batch_tokens)
@@ -257,7 +257,7 @@ def causal_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def make_logprob_module(model: "PreTrainedModel", temperature: float) -> "torch.nn.Module":
+def make_logprob_module(model: PreTrainedModel, temperature: float) -> torch.nn.Module:
     """A module whose forward returns the log-prob of each trained token (and prompt features)."""
     import torch
 
@@ -288,7 +288,7 @@ def make_logprob_module(model: "PreTrainedModel", temperature: float) -> "torch.
     return TokenLogprobs()
 
 
-def wrap_for_dist(module: "torch.nn.Module", dist: DistInfo) -> "torch.nn.Module":
+def wrap_for_dist(module: torch.nn.Module, dist: DistInfo) -> torch.nn.Module:
     """DDP or FSDP2 around ``module`` (FSDP shards each decoder layer, then the root)."""
     if dist.world == 1 or dist.strategy == "none":
         return module
@@ -321,7 +321,7 @@ def all_reduce(values: list[float], op: Literal["sum", "min", "max"], dist: Dist
     return tensor.tolist()
 
 
-def equalize(batches: list[MicroBatch], dist: DistInfo, pad_id: int, device: "torch.device") -> list[MicroBatch]:
+def equalize(batches: list[MicroBatch], dist: DistInfo, pad_id: int, device: torch.device) -> list[MicroBatch]:
     """Pad with empty micro-batches so every rank runs as many forwards as the busiest one."""
     most = int(all_reduce([float(len(batches))], "max", dist)[0])
     return batches + [empty_micro_batch(pad_id).to(device) for _ in range(most - len(batches))]
@@ -344,8 +344,8 @@ def shard_plan(n_samples: int, config: StepConfig, dist: DistInfo) -> list[list[
 
 
 def forward_batches(
-    module: "torch.nn.Module", batches: list[MicroBatch], with_features: bool = False
-) -> list[tuple["torch.Tensor", "torch.Tensor | None"]]:
+    module: torch.nn.Module, batches: list[MicroBatch], with_features: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Trained-token log-probs (and prompt features) of each micro-batch, without gradients."""
     import torch
 
@@ -353,7 +353,10 @@ def forward_batches(
     with torch.no_grad():
         for mb in batches:
             logp, features = module(
-                mb.input_ids, mb.position_ids, mb.pred_index, mb.target_ids,
+                mb.input_ids,
+                mb.position_ids,
+                mb.pred_index,
+                mb.target_ids,
                 mb.last_prompt_index if with_features else None,
             )
             out.append((logp, features))
@@ -361,7 +364,7 @@ def forward_batches(
 
 
 def batch_loss(
-    batches: list[MicroBatch], logps: list["torch.Tensor"], start_logps: list["torch.Tensor"], loss: LossConfig
+    batches: list[MicroBatch], logps: list[torch.Tensor], start_logps: list[torch.Tensor], loss: LossConfig
 ) -> tuple[float, float]:
     """Sum of the cycle's objective and number of trained tokens over ``batches``.
 
@@ -375,7 +378,9 @@ def batch_loss(
     total, tokens = 0.0, 0.0
     for mb, logp, start in zip(batches, logps, start_logps):
         if loss.kind == "cispo":
-            weight = torch.exp((start - mb.behaviour_logprobs).clamp(-20, 20)).clamp(loss.is_ratio_min, loss.is_ratio_max)
+            weight = torch.exp((start - mb.behaviour_logprobs).clamp(-20, 20)).clamp(
+                loss.is_ratio_min, loss.is_ratio_max
+            )
             value = -weight * mb.advantages * logp
             if loss.kl_coef > 0:
                 value = value + loss.kl_coef * kl_k3(logp, start)
@@ -387,8 +392,8 @@ def batch_loss(
 
 
 def prompt_features(
-    model: "PreTrainedModel", samples: Sequence[StepSample], config: StepConfig, pad_id: int
-) -> "torch.Tensor":
+    model: PreTrainedModel, samples: Sequence[StepSample], config: StepConfig, pad_id: int
+) -> torch.Tensor:
     """The policy's last hidden state at the end of each sample's prompt (for the value baseline)."""
     import torch
 
@@ -403,7 +408,7 @@ def prompt_features(
     return torch.cat([f for f in features if f is not None], dim=0).float()
 
 
-def weights_digest(model: "torch.nn.Module") -> str:
+def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 over every parameter and buffer (names sorted), gathering sharded tensors."""
     import hashlib
 
@@ -419,15 +424,15 @@ def weights_digest(model: "torch.nn.Module") -> str:
 
 
 def optimizer_step(
-    wrapped: "torch.nn.Module",
-    optimizer: "torch.optim.Optimizer",
-    params: list["torch.Tensor"],
+    wrapped: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
     chosen: Sequence[StepSample],
     config: StepConfig,
     pad_id: int,
     dist: DistInfo,
-    device: "torch.device",
-    ref_by_sample: dict[int, "torch.Tensor"] | None = None,
+    device: torch.device,
+    ref_by_sample: dict[int, torch.Tensor] | None = None,
     deadline: float | None = None,
 ) -> dict[str, float]:
     """One optimizer step on ``chosen`` (this rank's share): micro-batches, backward, clip, AdamW; its metrics.
@@ -471,9 +476,19 @@ def optimizer_step(
     advs = [s.advantage for s in chosen]
     tokens = sum(mb.n_tokens for mb in batches)
     summed = all_reduce(
-        [sums["loss"], sums["ratio"], sums["clipped"], sums["kl"], float(len(chosen)), sum(rewards),
-         sum(advs), sum(a * a for a in advs), float(tokens)],
-        "sum", dist,
+        [
+            sums["loss"],
+            sums["ratio"],
+            sums["clipped"],
+            sums["kl"],
+            float(len(chosen)),
+            sum(rewards),
+            sum(advs),
+            sum(a * a for a in advs),
+            float(tokens),
+        ],
+        "sum",
+        dist,
     )
     low = all_reduce([ratio_min, min(advs, default=math.inf)], "min", dist)
     high = all_reduce([ratio_max, max(advs, default=-math.inf)], "max", dist)
@@ -507,7 +522,7 @@ def optimizer_step(
 
 
 def train_on_batch(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     samples: Sequence[StepSample],
     config: StepConfig,
     pad_id: int,
@@ -554,8 +569,16 @@ def train_on_batch(
     for epoch in plan:
         for chunk in epoch:
             metrics = optimizer_step(
-                wrapped, optimizer, params, [samples[i] for i in chunk], config, pad_id, dist, device,
-                ref_by_sample, deadline,
+                wrapped,
+                optimizer,
+                params,
+                [samples[i] for i in chunk],
+                config,
+                pad_id,
+                dist,
+                device,
+                ref_by_sample,
+                deadline,
             )
             metrics = {"step": float(step_index), **metrics}
             global_trained, tokens_all = metrics["trained_tokens"], metrics["tokens"]
@@ -587,7 +610,7 @@ def train_on_batch(
     )
 
 
-def _per_sample(batches: list[MicroBatch], logps: list["torch.Tensor"]) -> dict[int, "torch.Tensor"]:
+def _per_sample(batches: list[MicroBatch], logps: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Trained-token log-probs keyed by sample id."""
     out = {}
     for mb, logp in zip(batches, logps):
@@ -596,7 +619,7 @@ def _per_sample(batches: list[MicroBatch], logps: list["torch.Tensor"]) -> dict[
     return out
 
 
-def _gather_ref(ref_by_sample: dict[int, "torch.Tensor"] | None, mb: MicroBatch) -> "torch.Tensor | None":
+def _gather_ref(ref_by_sample: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
     """The reference log-probs of ``mb``'s trained tokens, in its token order (None without a reference)."""
     import torch
 
@@ -607,7 +630,7 @@ def _gather_ref(ref_by_sample: dict[int, "torch.Tensor"] | None, mb: MicroBatch)
     return torch.cat([ref_by_sample[sid] for sid in mb.sample_ids])
 
 
-def _no_sync(wrapped: "torch.nn.Module", dist: DistInfo, skip: bool) -> Any:
+def _no_sync(wrapped: torch.nn.Module, dist: DistInfo, skip: bool) -> Any:
     """DDP's ``no_sync`` for all but the last micro-batch of a step; a null context otherwise."""
     from contextlib import nullcontext
 
@@ -629,7 +652,8 @@ class _Progress:
     def update(self, metrics: dict[str, float]) -> None:
         if self.bar is not None:
             self.bar.set_postfix(
-                loss=f"{metrics['loss']:.4f}", reward=f"{metrics['reward_mean']:.3f}",
+                loss=f"{metrics['loss']:.4f}",
+                reward=f"{metrics['reward_mean']:.3f}",
                 tok_s=f"{metrics['tokens_per_s']:.0f}",
             )
             self.bar.update(1)

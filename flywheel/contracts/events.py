@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
@@ -46,7 +46,7 @@ MAX_TOKENS = 65_536
 """Longest token id or logprob list."""
 MAX_FUTURE_SKEW = timedelta(hours=1)
 """How far ahead of the receiver's clock an event time may be."""
-EARLIEST_EVENT_TIME = datetime(2020, 1, 1, tzinfo=timezone.utc)
+EARLIEST_EVENT_TIME = datetime(2020, 1, 1, tzinfo=UTC)
 """Event times before this are refused as clock errors."""
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
@@ -59,7 +59,7 @@ Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=128)], Sca
 
 def utcnow() -> datetime:
     """Timezone-aware now in UTC."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class EventType(StrEnum):
@@ -234,7 +234,7 @@ class Turn(EventBase):
     """Tool results returned."""
 
     @model_validator(mode="after")
-    def _not_empty(self) -> "Turn":
+    def _not_empty(self) -> Turn:
         if not (self.messages or self.tool_calls or self.tool_results):
             raise ValueError("a turn needs at least one of messages, tool_calls, tool_results")
         return self
@@ -292,7 +292,7 @@ class Completion(EventBase):
     """Replica that served it, when the router says."""
 
     @model_validator(mode="after")
-    def _aligned(self) -> "Completion":
+    def _aligned(self) -> Completion:
         if self.logprobs is not None:
             if self.completion_token_ids is None:
                 raise ValueError("logprobs: given without completion_token_ids")
@@ -329,7 +329,7 @@ class ContextUpdate(EventBase):
     """Context size after, in tokens."""
 
     @model_validator(mode="after")
-    def _kind_fields(self) -> "ContextUpdate":
+    def _kind_fields(self) -> ContextUpdate:
         if self.kind == "summary" and not self.summary:
             raise ValueError("summary: required when kind is 'summary'")
         if self.kind == "prune" and not self.pruned_chunk_ids:
@@ -379,7 +379,7 @@ class Feedback(EventBase):
     """Who gave it."""
 
     @model_validator(mode="after")
-    def _kind_fields(self) -> "Feedback":
+    def _kind_fields(self) -> Feedback:
         required = {
             FeedbackKind.SCORE: "score",
             FeedbackKind.EDIT: "edit_ratio",
@@ -427,7 +427,7 @@ class Outcome(EventBase):
 
 
 Event = Annotated[
-    Union[SessionStart, SessionEnd, SpanStart, SpanEnd, Turn, Completion, ContextUpdate, Feedback, Outcome],
+    SessionStart | SessionEnd | SpanStart | SpanEnd | Turn | Completion | ContextUpdate | Feedback | Outcome,
     Field(discriminator="type"),
 ]
 """Any event."""

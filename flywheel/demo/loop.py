@@ -24,9 +24,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -151,7 +151,6 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
 
     from flywheel.db import migrate
     from flywheel.demo.agent import DemoAgent
-    from serving.overview import snapshot
     from flywheel.demo.report import write_report
     from flywheel.demo.view import render
     from flywheel.model.build import build_model
@@ -159,6 +158,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     from flywheel.stack import down, up
     from flywheel.stack.endpoints import drop_database, ensure_database, kafka_bootstrap, postgres_url, vllm_urls
     from flywheel.stack.services import ServiceGroup, pipeline_specs, settings_env
+    from serving.overview import snapshot
 
     config = config or DemoConfig()
     settings = settings or get_settings()
@@ -320,7 +320,9 @@ def _inject_regression(engine: Any, settings: Settings, config: DemoConfig, agen
     while time.monotonic() < deadline:
         with engine.connect() as conn:
             row = conn.execute(
-                text("SELECT status FROM deployments WHERE checkpoint_id = :c AND role = 'canary' ORDER BY id DESC LIMIT 1"),
+                text(
+                    "SELECT status FROM deployments WHERE checkpoint_id = :c AND role = 'canary' ORDER BY id DESC LIMIT 1"
+                ),
                 {"c": checkpoint_id},
             ).first()
             sessions = conn.execute(

@@ -68,7 +68,9 @@ def _kafka_round_trip(bootstrap: str, n: int = 100) -> Check:
     consumer.commit()
     consumer.close()
     took = time.perf_counter() - started
-    return Check("broker", bootstrap, len(seen) == n, f"{len(seen)}/{n} records through a consumer group in {took:.1f} s")
+    return Check(
+        "broker", bootstrap, len(seen) == n, f"{len(seen)}/{n} records through a consumer group in {took:.1f} s"
+    )
 
 
 def _postgres(url: str) -> Check:
@@ -140,13 +142,15 @@ def _sessions_through_ingest(settings: Settings, bootstrap: str, db_url: str, vl
     )
     project = f"demo-{uuid.uuid4().hex[:6]}"
     try:
-        fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=bootstrap,
-                      spool_dir=Path(settings.run_dir) / "spool")
+        fw = Flywheel(
+            project=project, transport="kafka", kafka_bootstrap=bootstrap, spool_dir=Path(settings.run_dir) / "spool"
+        )
         client = fw.wrap_openai(OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", max_retries=0, timeout=60))
         served = client.models.list().data[0].id
         solved = 0
         for problem in sample_problems("heldout", n, seed=11):
             with fw.session(user_id="demo-user", task=problem.kind, group_key=problem.id) as s:
+
                 def generate(messages: list[dict[str, str]]) -> str:
                     out = client.chat.completions.create(model=served, messages=messages, max_tokens=24)
                     return out.choices[0].message.content or ""

@@ -29,7 +29,9 @@ def render(snap: Snapshot, agent: dict[str, Any], elapsed_s: float, budget_s: fl
     if snap.last_decision:
         details = snap.last_decision.get("details") or {}
         decision = f"{details.get('action', snap.last_decision['action'])}: {details.get('reason', '')}"[:90]
-    head.add_row("time", f"{elapsed_s / 60:.1f} / {budget_s / 60:.0f} min", "sessions played", str(agent.get("sessions", 0)))
+    head.add_row(
+        "time", f"{elapsed_s / 60:.1f} / {budget_s / 60:.0f} min", "sessions played", str(agent.get("sessions", 0))
+    )
     head.add_row("events in Postgres", str(snap.raw_events), "failed requests", str(agent.get("failed_requests", 0)))
     head.add_row("rewards", str(snap.rewards), "training samples", str(snap.samples))
     cycles = ", ".join(f"{k} {v}" for k, v in sorted(snap.cycles.items())) or "-"

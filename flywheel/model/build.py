@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -267,7 +267,7 @@ def _build_into(folder: Path, settings: ModelSettings, key: str) -> None:
         ),
         calibration=attempts,
         build_seconds=round(time.perf_counter() - started, 2),
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     (folder / SIDECAR_NAME).write_text(sidecar.model_dump_json(indent=2) + "\n")
 
@@ -342,7 +342,7 @@ def demonstrations(n: int, rng: random.Random) -> list[list[arith.Message]]:
     return chats
 
 
-def tokenize_corpus(tokenizer: "PreTrainedTokenizerFast", chats: list[list[arith.Message]]) -> Corpus:
+def tokenize_corpus(tokenizer: PreTrainedTokenizerFast, chats: list[list[arith.Message]]) -> Corpus:
     """Token ids and assistant-token loss masks of every chat (one batched encode)."""
     contents = [m["content"] for chat in chats for m in chat]
     encoded = iter(tokenizer(contents, add_special_tokens=False)["input_ids"])
@@ -363,7 +363,7 @@ def tokenize_corpus(tokenizer: "PreTrainedTokenizerFast", chats: list[list[arith
     return corpus
 
 
-def init_model(settings: ModelSettings, tokenizer: "PreTrainedTokenizerFast") -> "LlamaForCausalLM":
+def init_model(settings: ModelSettings, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     """A freshly initialised float32 Llama sized by ``settings`` (seed torch first)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -391,7 +391,7 @@ def init_model(settings: ModelSettings, tokenizer: "PreTrainedTokenizerFast") ->
     return model
 
 
-def pretrain_model(model: "LlamaForCausalLM", corpus: Corpus, steps: int, seed: int) -> PretrainSummary:
+def pretrain_model(model: LlamaForCausalLM, corpus: Corpus, steps: int, seed: int) -> PretrainSummary:
     """Supervised training on assistant tokens: AdamW, warm-up then cosine decay.
 
     Each step takes ``BATCH_SIZE`` random chats; they are sorted by length and run in
@@ -436,8 +436,8 @@ def pretrain_model(model: "LlamaForCausalLM", corpus: Corpus, steps: int, seed: 
 
 
 def _token_loss_sum(
-    model: "LlamaForCausalLM", input_ids: "torch.Tensor", labels: "torch.Tensor", attention: "torch.Tensor"
-) -> "torch.Tensor":
+    model: LlamaForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor, attention: torch.Tensor
+) -> torch.Tensor:
     """Summed next-token cross-entropy over the labelled (assistant) tokens."""
     import torch.nn.functional as F
 
@@ -454,7 +454,7 @@ def _lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _batch(corpus: Corpus, rows: list[int]) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+def _batch(corpus: Corpus, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, labels (-100 outside assistant tokens) and attention mask."""
     import torch
 
@@ -470,7 +470,7 @@ def _batch(corpus: Corpus, rows: list[int]) -> tuple["torch.Tensor", "torch.Tens
     return input_ids, labels, attention
 
 
-def save_folder(model: "LlamaForCausalLM", tokenizer: "PreTrainedTokenizerFast", folder: Path) -> None:
+def save_folder(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
     """Write weights (safetensors, float32), tokenizer and generation config to ``folder``."""
     from transformers import GenerationConfig
 

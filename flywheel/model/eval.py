@@ -50,7 +50,7 @@ class EvalResult:
         return asdict(self)
 
 
-def load_policy(model_dir: Path | str) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+def load_policy(model_dir: Path | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a model folder (float32, eval mode) and its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,8 +62,8 @@ def load_policy(model_dir: Path | str) -> tuple["PreTrainedModel", "PreTrainedTo
 
 
 def make_generate_batch(
-    model: "PreTrainedModel",
-    tokenizer: "PreTrainedTokenizerBase",
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     temperature: float = 1.0,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 ) -> arith.GenerateBatch:
@@ -86,9 +86,7 @@ def make_generate_batch(
             else {"do_sample": False}
         )
         with torch.no_grad():
-            out = model.generate(
-                **enc, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling
-            )
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
         new = out[:, enc["input_ids"].shape[1] :]
         return tokenizer.batch_decode(new, skip_special_tokens=True)
 
@@ -97,8 +95,8 @@ def make_generate_batch(
 
 def evaluate_problems(
     problems: list[arith.Problem],
-    model: "PreTrainedModel",
-    tokenizer: "PreTrainedTokenizerBase",
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     temperature: float = 1.0,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     batch_size: int = 200,
@@ -136,13 +134,13 @@ def summarize(
 
 
 def heldout_success(
-    model: "Path | str | PreTrainedModel",
+    model: Path | str | PreTrainedModel,
     n: int = DEFAULT_EVAL_N,
     seed: int = DEFAULT_EVAL_SEED,
     temperature: float = 1.0,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     *,
-    tokenizer: "PreTrainedTokenizerBase | None" = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     split: arith.Split = "heldout",
     batch_size: int = 200,
 ) -> EvalResult:

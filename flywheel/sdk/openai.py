@@ -138,7 +138,9 @@ def sampling_params(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         "temperature": kwargs.get("temperature"),
         "top_p": kwargs.get("top_p"),
         "top_k": extra.get("top_k") if extra else None,
-        "max_tokens": kwargs.get("max_tokens") if _given(kwargs.get("max_tokens")) else kwargs.get("max_completion_tokens"),
+        "max_tokens": kwargs.get("max_tokens")
+        if _given(kwargs.get("max_tokens"))
+        else kwargs.get("max_completion_tokens"),
         "seed": kwargs.get("seed"),
     }
     checks = {
@@ -564,7 +566,9 @@ def _target_scope(explicit: Any) -> Scope | None:
     return explicit if isinstance(explicit, Scope) else current_scope()
 
 
-def _begin(fw: Flywheel, kind: Kind, kwargs: dict[str, Any], token_data: bool) -> tuple[_Call, dict[str, Any], bool] | None:
+def _begin(
+    fw: Flywheel, kind: Kind, kwargs: dict[str, Any], token_data: bool
+) -> tuple[_Call, dict[str, Any], bool] | None:
     """Prepare the logged version of a call, or ``None`` to make it unlogged (no session, or a failure).
 
     Either way, inside a session (logged or not) ``kwargs`` gains the session header.

@@ -30,7 +30,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -99,8 +99,8 @@ class EventBuilder:
             event_id=uuid.UUID(int=event_id),
             project=project,
             session_id=session_id,
-            occurred_at=datetime.fromtimestamp(occurred, timezone.utc),
-            sent_at=sent_at or datetime.now(timezone.utc),
+            occurred_at=datetime.fromtimestamp(occurred, UTC),
+            sent_at=sent_at or datetime.now(UTC),
             sdk=self.sdk,
         )
         try:
@@ -114,7 +114,10 @@ class EventBuilder:
 
 def _tool_call(f: tuple[Any, ...]) -> dict[str, Any]:
     _, span_id, role, call_id, name, arguments = f
-    return {"span": {"span_id": span_id, "role": role}, "tool_calls": [{"id": call_id, "name": name, "arguments": arguments}]}
+    return {
+        "span": {"span_id": span_id, "role": role},
+        "tool_calls": [{"id": call_id, "name": name, "arguments": arguments}],
+    }
 
 
 def _tool_result(f: tuple[Any, ...]) -> dict[str, Any]:
@@ -315,7 +318,9 @@ class Sender:
         self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.warning("flywheel sender did not stop within %.1fs; %d records still queued", timeout_s, len(self.queue))
+            log.warning(
+                "flywheel sender did not stop within %.1fs; %d records still queued", timeout_s, len(self.queue)
+            )
 
     def _flushed(self, target: int) -> bool:
         return self._processed >= target and (self.spool is None or self.spool.empty)
@@ -389,7 +394,7 @@ class Sender:
 
     def _build_all(self, records: list[Record]) -> list[Envelope]:
         envelopes = []
-        sent_at = datetime.now(timezone.utc)
+        sent_at = datetime.now(UTC)
         for record in records:
             try:
                 envelopes.append(self.builder.build(record, sent_at))

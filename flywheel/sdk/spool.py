@@ -106,7 +106,11 @@ class Spool:
         self._reading: list[Envelope] = []
         self._read_pos = 0
         if self._bytes:
-            log.info("flywheel spool: %d bytes left in %s by an earlier process; replaying them first", self._bytes, self.lane)
+            log.info(
+                "flywheel spool: %d bytes left in %s by an earlier process; replaying them first",
+                self._bytes,
+                self.lane,
+            )
 
     # -- state ------------------------------------------------------------------------------
 

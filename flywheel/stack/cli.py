@@ -7,7 +7,7 @@ commands, so ``flywheel --help`` stays instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -23,13 +23,13 @@ def register(app: typer.Typer) -> None:
 
 
 def up_command(
-    only: Optional[str] = typer.Option(
+    only: str | None = typer.Option(
         None, "--only", help="Comma-separated subset of broker,postgres,redis,vllm (default: all)."
     ),
-    replicas: Optional[int] = typer.Option(
+    replicas: int | None = typer.Option(
         None, "--replicas", min=0, max=8, help="Number of local vLLM replicas (default: settings)."
     ),
-    model: Optional[Path] = typer.Option(
+    model: Path | None = typer.Option(
         None, "--model", help="Model folder the local vLLM replicas serve (default: the project's built base model)."
     ),
 ) -> None:
@@ -56,7 +56,7 @@ def up_command(
 
 
 def down_command(
-    only: Optional[str] = typer.Option(
+    only: str | None = typer.Option(
         None, "--only", help="Comma-separated subset of broker,postgres,redis,vllm (default: all)."
     ),
 ) -> None:
@@ -86,7 +86,7 @@ def status_command() -> None:
         raise typer.Exit(1)
 
 
-def _print_table(rows: list["ComponentStatus"], title: str) -> None:
+def _print_table(rows: list[ComponentStatus], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -52,7 +52,7 @@ def vllm_urls(settings: Settings | None = None) -> list[str]:
         return [u.rstrip("/") for u in settings.vllm.urls]
     records = load_state(settings).of_kind("vllm")
     if not records:
-        raise StackNotRunning(_missing("vLLM", settings, 'FLYWHEEL_VLLM__URLS=\'["http://host:port"]\''))
+        raise StackNotRunning(_missing("vLLM", settings, "FLYWHEEL_VLLM__URLS='[\"http://host:port\"]'"))
     for record in records:
         _check_alive(record, settings)
     return [r.where for r in records]
@@ -149,6 +149,5 @@ def _check_alive(record: ComponentRecord, settings: Settings) -> None:
 
 def _missing(what: str, settings: Settings, env_hint: str) -> str:
     return (
-        f"no {what} is configured and none is recorded in {state_path(settings)}: "
-        f"run `flywheel up` (or set {env_hint})"
+        f"no {what} is configured and none is recorded in {state_path(settings)}: run `flywheel up` (or set {env_hint})"
     )

@@ -40,7 +40,6 @@ from flywheel.stack.base import (
     terminate_group,
 )
 
-
 log = logging.getLogger(__name__)
 
 
@@ -241,10 +240,14 @@ def pipeline_specs(settings: Settings, names: Iterable[str] | None = None) -> li
         ServiceSpec("rewarding", python_module("rewarding.main", "worker"), settle_s=3.0),
         ServiceSpec("trainer-worker", python_module("trainer.main", "worker"), settle_s=3.0),
         ServiceSpec("trainer-beat", python_module("trainer.main", "beat"), settle_s=2.0),
-        ServiceSpec("router", python_module("serving.main", "router"),
-                    health_url=f"http://{s.router_host}:{s.router_port}/health"),  # fmt: skip
-        ServiceSpec("admin", python_module("serving.main", "admin"),
-                    health_url=f"http://{s.admin_host}:{s.admin_port}/health"),  # fmt: skip
+        ServiceSpec(
+            "router",
+            python_module("serving.main", "router"),
+            health_url=f"http://{s.router_host}:{s.router_port}/health",
+        ),  # fmt: skip
+        ServiceSpec(
+            "admin", python_module("serving.main", "admin"), health_url=f"http://{s.admin_host}:{s.admin_port}/health"
+        ),  # fmt: skip
         ServiceSpec("canary", python_module("serving.main", "canary"), settle_s=2.0),
     ]
     if names is None:

@@ -82,9 +82,7 @@ def up(
         save_state(settings, state)
         if any(isinstance(c, VllmReplica) and c.model_dir is None and not settings.vllm.urls for c in pending):
             resolved = _default_model_dir(settings)
-            pending = [
-                VllmReplica(settings, c.index, resolved) if isinstance(c, VllmReplica) else c for c in pending
-            ]
+            pending = [VllmReplica(settings, c.index, resolved) if isinstance(c, VllmReplica) else c for c in pending]
         for record in _start_all(pending):
             state.components[record.name] = record
         save_state(settings, state)

@@ -30,9 +30,15 @@ def upgrade() -> None:
         sa.Column("deployment_id", sa.BigInteger(), nullable=True),
         sa.Column("reason", sa.Text(), nullable=True),
         sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
-        sa.CheckConstraint("state IN ('serving', 'draining', 'swapping', 'failed')", name=op.f("ck_replicas_state_known")),
-        sa.ForeignKeyConstraint(["checkpoint_id"], ["checkpoints.id"], name=op.f("fk_replicas_checkpoint_id_checkpoints")),
-        sa.ForeignKeyConstraint(["deployment_id"], ["deployments.id"], name=op.f("fk_replicas_deployment_id_deployments")),
+        sa.CheckConstraint(
+            "state IN ('serving', 'draining', 'swapping', 'failed')", name=op.f("ck_replicas_state_known")
+        ),
+        sa.ForeignKeyConstraint(
+            ["checkpoint_id"], ["checkpoints.id"], name=op.f("fk_replicas_checkpoint_id_checkpoints")
+        ),
+        sa.ForeignKeyConstraint(
+            ["deployment_id"], ["deployments.id"], name=op.f("fk_replicas_deployment_id_deployments")
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_replicas")),
         sa.UniqueConstraint("url", name=op.f("uq_replicas_url")),
     )

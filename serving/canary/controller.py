@@ -176,7 +176,7 @@ def _default_actions() -> dict[str, Action]:
 
 
 def _act(
-    engine: "Engine", settings: "Settings", decision: Decision, details: dict[str, Any], actions: dict[str, Action]
+    engine: Engine, settings: Settings, decision: Decision, details: dict[str, Any], actions: dict[str, Action]
 ) -> Any:
     """Call the deploy function of ``decision``; its audit row gets ``{"reason", "decision": numbers}``.
 
@@ -194,7 +194,7 @@ def _act(
 
 
 def _record(
-    engine: "Engine", target: str, decision: Decision, details: dict[str, Any], success: bool, error: str | None = None
+    engine: Engine, target: str, decision: Decision, details: dict[str, Any], success: bool, error: str | None = None
 ) -> None:
     with Session(engine) as session:
         session.add(
@@ -211,7 +211,7 @@ def _record(
         session.commit()
 
 
-def run_once(engine: "Engine", settings: "Settings", actions: dict[str, Action] | None = None) -> Decision | None:
+def run_once(engine: Engine, settings: Settings, actions: dict[str, Action] | None = None) -> Decision | None:
     """One look: decide about the fleet's active canary and act; None when there is nothing to decide.
 
     Nothing is decided when the controller is disabled or paused, or the fleet has no
@@ -285,7 +285,7 @@ def next_candidate(session: Session, fleet: str) -> Checkpoint | None:
     return session.scalars(query).first()
 
 
-def auto_deploy(engine: "Engine", settings: "Settings", deploy_canary: Action | None = None) -> str | None:
+def auto_deploy(engine: Engine, settings: Settings, deploy_canary: Action | None = None) -> str | None:
     """With ``canary.auto_deploy``: when the fleet has no canary, deploy :func:`next_candidate` at the first step.
 
     Returns the deployed checkpoint id (None when nothing was deployed). Paused or
@@ -312,7 +312,7 @@ def auto_deploy(engine: "Engine", settings: "Settings", deploy_canary: Action | 
     return checkpoint_id
 
 
-def run(settings: "Settings", max_looks: int | None = None) -> None:
+def run(settings: Settings, max_looks: int | None = None) -> None:
     """Look every ``canary.interval_s`` until interrupted (or ``max_looks``); also reconcile the fleet each round.
 
     A refused or failed action (:class:`serving.fleet.DeployError`, e.g. ops changed the
@@ -323,8 +323,8 @@ def run(settings: "Settings", max_looks: int | None = None) -> None:
 
     from flywheel.db.engine import get_engine
     from flywheel.stack.endpoints import postgres_url
-    from serving import deploy
     from flywheel.stack.vllm_admin import VllmAdminError
+    from serving import deploy
     from serving.fleet import DeployError
 
     engine = get_engine(postgres_url(settings))

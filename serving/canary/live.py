@@ -157,9 +157,7 @@ class LiveData:
     latency_threshold_ms: float | None
     latency_reference_n: int
 
-    def observations(
-        self, settings: CanarySettings, detectors: DetectorSettings, elapsed_s: float
-    ) -> Observations:
+    def observations(self, settings: CanarySettings, detectors: DetectorSettings, elapsed_s: float) -> Observations:
         """The policy's input: primary metric, guards with their margins, step sample, time."""
         primary = "success" if settings.metric == "success" else "reward01"
         guards = {
@@ -231,7 +229,7 @@ def _arm(row: Any) -> ArmLive:
 
 
 def read_live(
-    conn: "Connection",
+    conn: Connection,
     settings: CanarySettings,
     canary_version: str,
     stable_version: str,

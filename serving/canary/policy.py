@@ -158,19 +158,27 @@ def decide(obs: Observations, weight: float, settings: CanarySettings) -> Decisi
 
     def made(action: Action, new_weight: float, reason: str) -> Decision:
         return Decision(
-            action, weight, new_weight, reason, step, margin, cmp.to_json(), guards,
-            obs.canary_at_step, obs.elapsed_s, settings.metric,
+            action,
+            weight,
+            new_weight,
+            reason,
+            step,
+            margin,
+            cmp.to_json(),
+            guards,
+            obs.canary_at_step,
+            obs.elapsed_s,
+            settings.metric,
         )
 
     has_data = obs.canary.n > 0 and obs.stable.n > 0
     if tripped:
-        details = ", ".join(
-            f"{n} lower bound {guards[n]['lower']:.4f} > margin {guards[n]['margin']}" for n in tripped
-        )
+        details = ", ".join(f"{n} lower bound {guards[n]['lower']:.4f} > margin {guards[n]['margin']}" for n in tripped)
         return made("rollback", 0.0, f"guard tripped: {details}")
     if has_data and cmp.regression(settings.regression_margin):
         return made(
-            "rollback", 0.0,
+            "rollback",
+            0.0,
             f"significant regression: upper bound {cmp.upper:.4f} < -{settings.regression_margin}",
         )
     enough = obs.canary_at_step >= settings.min_samples_per_step
@@ -178,14 +186,17 @@ def decide(obs: Observations, weight: float, settings: CanarySettings) -> Decisi
         if last:
             return made("promote", 1.0, f"non-inferior at the last step: lower bound {cmp.lower:.4f} > -{margin}")
         return made(
-            "step_up", float(next_weight),
+            "step_up",
+            float(next_weight),
             f"non-inferior at step {step}: lower bound {cmp.lower:.4f} > -{margin}",
         )
     over_time = obs.elapsed_s >= settings.max_duration_s
     over_sessions = settings.max_canary_sessions is not None and obs.canary.n >= settings.max_canary_sessions
     if over_time or over_sessions:
-        limit = f"{obs.elapsed_s:.0f} s >= {settings.max_duration_s:.0f} s" if over_time else (
-            f"{obs.canary.n} canary sessions >= {settings.max_canary_sessions}"
+        limit = (
+            f"{obs.elapsed_s:.0f} s >= {settings.max_duration_s:.0f} s"
+            if over_time
+            else (f"{obs.canary.n} canary sessions >= {settings.max_canary_sessions}")
         )
         final = settings.non_inferiority_margin
         if has_data and cmp.non_inferior(final):

@@ -56,9 +56,10 @@ is the mirror for guard metrics where higher is worse):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Literal
+from typing import Literal
 
 Variance = Literal["bound", "empirical"]
 Verdict = Literal["regression", "non_inferior", "inconclusive"]
@@ -78,7 +79,7 @@ class ArmStats:
     total_sq: float = 0.0
 
     @classmethod
-    def of(cls, values: Iterable[float]) -> "ArmStats":
+    def of(cls, values: Iterable[float]) -> ArmStats:
         """Statistics of ``values`` (each must lie in [0, 1])."""
         n, total, total_sq = 0, 0.0, 0.0
         for value in values:
@@ -87,7 +88,7 @@ class ArmStats:
             n, total, total_sq = n + 1, total + value, total_sq + value * value
         return cls(n, total, total_sq)
 
-    def add(self, value: float) -> "ArmStats":
+    def add(self, value: float) -> ArmStats:
         """These statistics with one more observation."""
         return ArmStats(self.n + 1, self.total + value, self.total_sq + value * value)
 

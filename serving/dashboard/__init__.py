@@ -68,7 +68,7 @@ def plotly_js_path() -> Path:
     return path
 
 
-def install_dashboard(app: FastAPI, settings: "Settings", engine: "Engine", requires: Callable[[str], Any]) -> None:
+def install_dashboard(app: FastAPI, settings: Settings, engine: Engine, requires: Callable[[str], Any]) -> None:
     """Add the dashboard page, its static files and ``GET /v1/dashboard`` (viewer) to ``app``.
 
     ``requires`` is ``serving.admin.requires`` (role -> FastAPI dependency). Call it once
@@ -97,14 +97,18 @@ def install_dashboard(app: FastAPI, settings: "Settings", engine: "Engine", requ
     @app.get(PAGE_PATH, include_in_schema=False, name="dashboard.page")
     def page() -> FileResponse:
         """The page shell (no data: it logs in and reads ``/v1/dashboard`` itself)."""
-        return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                            headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"})
+        return FileResponse(
+            STATIC_DIR / "index.html", media_type="text/html", headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"}
+        )
 
     @app.get(PLOTLY_PATH, include_in_schema=False, name="dashboard.plotly")
     def plotly() -> FileResponse:
         """Plotly.js from the installed ``plotly`` package."""
-        return FileResponse(plotly_js, media_type="text/javascript",
-                            headers={"Cache-Control": "public, max-age=86400", "X-Content-Type-Options": "nosniff"})
+        return FileResponse(
+            plotly_js,
+            media_type="text/javascript",
+            headers={"Cache-Control": "public, max-age=86400", "X-Content-Type-Options": "nosniff"},
+        )
 
     app.mount(STATIC_PATH, StaticFiles(directory=STATIC_DIR), name="dashboard.static")
 

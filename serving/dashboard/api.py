@@ -57,7 +57,7 @@ def _lag(value: int | None, unit: str, reason: str | None = None, **extra: Any) 
     return {"value": value, "unit": unit, "reason": reason, **extra}
 
 
-def measure_kafka_lag(settings: "Settings", timeout_s: float = KAFKA_TIMEOUT_S) -> dict[str, Any]:
+def measure_kafka_lag(settings: Settings, timeout_s: float = KAFKA_TIMEOUT_S) -> dict[str, Any]:
     """Records on the events topic not yet committed by the ingest consumer group (blocking).
 
     Committed offsets of ``settings.ingest.group_id`` against the end offsets of the
@@ -75,8 +75,12 @@ def measure_kafka_lag(settings: "Settings", timeout_s: float = KAFKA_TIMEOUT_S) 
     topic = events_topic(settings.kafka.topic_prefix)
     group = settings.ingest.group_id
     timeout_ms = int(timeout_s * 600)  # each client gives up well within the caller's cap
-    common = {"bootstrap_servers": bootstrap, "request_timeout_ms": max(timeout_ms, 1000),
-              "bootstrap_timeout_ms": timeout_ms, "client_id": "flywheel-dashboard"}
+    common = {
+        "bootstrap_servers": bootstrap,
+        "request_timeout_ms": max(timeout_ms, 1000),
+        "bootstrap_timeout_ms": timeout_ms,
+        "client_id": "flywheel-dashboard",
+    }
     admin = KafkaAdminClient(**common)
     try:
         consumer = KafkaConsumer(**common, group_id=None, enable_auto_commit=False)
@@ -86,17 +90,27 @@ def measure_kafka_lag(settings: "Settings", timeout_s: float = KAFKA_TIMEOUT_S) 
     try:
         partitions = consumer.partitions_for_topic(topic)
         if not partitions:
-            return _lag(None, "records", f"topic {topic} does not exist on {','.join(bootstrap)}",
-                        topic=topic, group=group)
+            return _lag(
+                None, "records", f"topic {topic} does not exist on {','.join(bootstrap)}", topic=topic, group=group
+            )
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         ends = fetched_ends(bootstrap, consumer.end_offsets(tps), timeout_s * 0.6, client_id="flywheel-dashboard")
         begins = consumer.beginning_offsets(tps)
-        committed = {tp: meta.offset for tp, meta in _group_offsets(admin, group, tps).items()
-                     if tp.topic == topic and meta is not None and meta.offset is not None and meta.offset >= 0}
+        committed = {
+            tp: meta.offset
+            for tp, meta in _group_offsets(admin, group, tps).items()
+            if tp.topic == topic and meta is not None and meta.offset is not None and meta.offset >= 0
+        }
         per = {tp.partition: max(0, ends[tp] - committed.get(tp, begins[tp])) for tp in tps}
-        return _lag(sum(per.values()), "records", None, topic=topic, group=group,
-                    partitions={str(p): n for p, n in per.items()},
-                    uncommitted_partitions=sorted(tp.partition for tp in tps if tp not in committed))
+        return _lag(
+            sum(per.values()),
+            "records",
+            None,
+            topic=topic,
+            group=group,
+            partitions={str(p): n for p, n in per.items()},
+            uncommitted_partitions=sorted(tp.partition for tp in tps if tp not in committed),
+        )
     finally:
         consumer.close()
         admin.close()
@@ -116,9 +130,19 @@ class KafkaLagProbe:
     the measurement keeps running in its own thread and a later call picks up its result.
     """
 
-    def __init__(self, settings: "Settings", timeout_s: float = KAFKA_TIMEOUT_S, cache_s: float = KAFKA_CACHE_S,
-                 failure_cache_s: float = KAFKA_FAILURE_CACHE_S):
-        self.settings, self.timeout_s, self.cache_s, self.failure_cache_s = settings, timeout_s, cache_s, failure_cache_s
+    def __init__(
+        self,
+        settings: Settings,
+        timeout_s: float = KAFKA_TIMEOUT_S,
+        cache_s: float = KAFKA_CACHE_S,
+        failure_cache_s: float = KAFKA_FAILURE_CACHE_S,
+    ):
+        self.settings, self.timeout_s, self.cache_s, self.failure_cache_s = (
+            settings,
+            timeout_s,
+            cache_s,
+            failure_cache_s,
+        )
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dashboard-kafka")
         self._future: Future[dict[str, Any]] | None = None
@@ -159,43 +183,61 @@ class KafkaLagProbe:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def rewarding_lag(conn: "Connection", settings: "Settings") -> dict[str, Any]:
+def rewarding_lag(conn: Connection, settings: Settings) -> dict[str, Any]:
     """Sessions that ended longer ago than the feedback window and still have no reward."""
     window = float(settings.rewarding.feedback_window_s)
-    row = conn.execute(
-        text(
-            "SELECT count(*) AS n, "
-            "EXTRACT(EPOCH FROM now() - min(s.ended_at)) - :window AS oldest_overdue_s "
-            "FROM sessions s WHERE s.ended_at IS NOT NULL "
-            "AND s.ended_at < now() - make_interval(secs => :window) "
-            "AND NOT EXISTS (SELECT 1 FROM rewards r WHERE r.project = s.project AND r.session_id = s.session_id)"
-        ),
-        {"window": window},
-    ).mappings().one()
-    overdue = row["oldest_overdue_s"]
-    return _lag(int(row["n"]), "sessions", None, feedback_window_s=window,
-                oldest_overdue_s=round(float(overdue), 1) if overdue is not None else None)
-
-
-def trainer_lag(conn: "Connection") -> dict[str, Any]:
-    """Scored samples newer than the newest trained checkpoint's data window, and that checkpoint's age."""
-    last = conn.execute(
-        text(
-            "SELECT id, policy_version, data_window_end, EXTRACT(EPOCH FROM now() - created_at) AS age_s "
-            "FROM checkpoints WHERE data_window_end IS NOT NULL ORDER BY created_at DESC, id DESC LIMIT 1"
+    row = (
+        conn.execute(
+            text(
+                "SELECT count(*) AS n, "
+                "EXTRACT(EPOCH FROM now() - min(s.ended_at)) - :window AS oldest_overdue_s "
+                "FROM sessions s WHERE s.ended_at IS NOT NULL "
+                "AND s.ended_at < now() - make_interval(secs => :window) "
+                "AND NOT EXISTS (SELECT 1 FROM rewards r WHERE r.project = s.project AND r.session_id = s.session_id)"
+            ),
+            {"window": window},
         )
-    ).mappings().first()
+        .mappings()
+        .one()
+    )
+    overdue = row["oldest_overdue_s"]
+    return _lag(
+        int(row["n"]),
+        "sessions",
+        None,
+        feedback_window_s=window,
+        oldest_overdue_s=round(float(overdue), 1) if overdue is not None else None,
+    )
+
+
+def trainer_lag(conn: Connection) -> dict[str, Any]:
+    """Scored samples newer than the newest trained checkpoint's data window, and that checkpoint's age."""
+    last = (
+        conn.execute(
+            text(
+                "SELECT id, policy_version, data_window_end, EXTRACT(EPOCH FROM now() - created_at) AS age_s "
+                "FROM checkpoints WHERE data_window_end IS NOT NULL ORDER BY created_at DESC, id DESC LIMIT 1"
+            )
+        )
+        .mappings()
+        .first()
+    )
     since = last["data_window_end"] if last else None
-    row = conn.execute(
-        text(
-            "SELECT count(*) AS n, EXTRACT(EPOCH FROM now() - min(created_at)) AS oldest_s FROM training_samples "
-            "WHERE CAST(:since AS timestamptz) IS NULL OR created_at > CAST(:since AS timestamptz)"
-        ),
-        {"since": since},
-    ).mappings().one()
+    row = (
+        conn.execute(
+            text(
+                "SELECT count(*) AS n, EXTRACT(EPOCH FROM now() - min(created_at)) AS oldest_s FROM training_samples "
+                "WHERE CAST(:since AS timestamptz) IS NULL OR created_at > CAST(:since AS timestamptz)"
+            ),
+            {"since": since},
+        )
+        .mappings()
+        .one()
+    )
     oldest = row["oldest_s"]
     return _lag(
-        int(row["n"]), "samples",
+        int(row["n"]),
+        "samples",
         None if last else "no trained checkpoint yet: every scored sample is waiting",
         checkpoint_id=last["id"] if last else None,
         checkpoint_age_s=round(float(last["age_s"]), 1) if last else None,
@@ -207,7 +249,7 @@ def trainer_lag(conn: "Connection") -> dict[str, Any]:
 # --------------------------------------------------------------------------- canary
 
 
-def _comparison(row: dict[str, Any], settings: "Settings", current_id: int | None) -> dict[str, Any]:
+def _comparison(row: dict[str, Any], settings: Settings, current_id: int | None) -> dict[str, Any]:
     """The numbers of one ``canary.decision`` row, flattened for the page."""
     details = row["details"] or {}
     primary = details.get("primary") or {}
@@ -228,33 +270,51 @@ def _comparison(row: dict[str, Any], settings: "Settings", current_id: int | Non
         "margin": details.get("margin"),
         "canary_version": canary.get("policy_version"),
         "stable_version": (details.get("stable") or {}).get("policy_version"),
-        **{k: primary.get(k) for k in ("estimate", "lower", "upper", "n_canary", "n_stable",
-                                        "mean_canary", "mean_stable", "alpha")},
+        **{
+            k: primary.get(k)
+            for k in ("estimate", "lower", "upper", "n_canary", "n_stable", "mean_canary", "mean_stable", "alpha")
+        },
         "non_inferiority_margin": cs.non_inferiority_margin,
         "step_margin": cs.step_margin,
         "regression_margin": cs.regression_margin,
-        "guards": {name: {k: g.get(k) for k in ("estimate", "lower", "upper", "margin", "tripped")}
-                   for name, g in (details.get("guards") or {}).items() if isinstance(g, dict)},
+        "guards": {
+            name: {k: g.get(k) for k in ("estimate", "lower", "upper", "margin", "tripped")}
+            for name, g in (details.get("guards") or {}).items()
+            if isinstance(g, dict)
+        },
         "error": details.get("error"),
     }
 
 
-def canary_comparison(conn: "Connection", settings: "Settings", canary_id: int | None) -> dict[str, Any] | None:
+def canary_comparison(conn: Connection, settings: Settings, canary_id: int | None) -> dict[str, Any] | None:
     """The newest decision about the active canary (else the newest of any canary) with its history."""
-    query = ("SELECT id, at, target, details, success FROM audit_log WHERE action = 'canary.decision' "
-             "{where} ORDER BY id DESC LIMIT :limit")
+    query = (
+        "SELECT id, at, target, details, success FROM audit_log WHERE action = 'canary.decision' "
+        "{where} ORDER BY id DESC LIMIT :limit"
+    )
     rows: list[dict[str, Any]] = []
     if canary_id is not None:
-        rows = [dict(r) for r in conn.execute(text(query.format(where="AND target = :target")),
-                                              {"target": f"deployment:{canary_id}", "limit": HISTORY_LIMIT}).mappings()]
+        rows = [
+            dict(r)
+            for r in conn.execute(
+                text(query.format(where="AND target = :target")),
+                {"target": f"deployment:{canary_id}", "limit": HISTORY_LIMIT},
+            ).mappings()
+        ]
     if not rows:
         rows = [dict(r) for r in conn.execute(text(query.format(where="")), {"limit": 1}).mappings()]
     if not rows:
         return None
     out = _comparison(rows[0], settings, canary_id)
     out["history"] = [
-        {"at": r["at"], "action": (r["details"] or {}).get("action"),
-         **{k: ((r["details"] or {}).get("primary") or {}).get(k) for k in ("estimate", "lower", "upper", "n_canary")}}
+        {
+            "at": r["at"],
+            "action": (r["details"] or {}).get("action"),
+            **{
+                k: ((r["details"] or {}).get("primary") or {}).get(k)
+                for k in ("estimate", "lower", "upper", "n_canary")
+            },
+        }
         for r in reversed(rows)
     ]
     return out
@@ -269,29 +329,49 @@ def traffic(stable: dict[str, Any] | None, canary: dict[str, Any] | None) -> lis
     share = float(canary["weight"]) if canary and canary.get("status") == "active" else 0.0
     share = min(max(share, 0.0), 1.0)
     if stable:
-        out.append({"role": "stable", "policy_version": stable.get("policy_version"),
-                    "checkpoint_id": stable.get("checkpoint_id"), "weight": round(1.0 - share, 6)})
+        out.append(
+            {
+                "role": "stable",
+                "policy_version": stable.get("policy_version"),
+                "checkpoint_id": stable.get("checkpoint_id"),
+                "weight": round(1.0 - share, 6),
+            }
+        )
     if canary:
-        out.append({"role": "canary", "policy_version": canary.get("policy_version"),
-                    "checkpoint_id": canary.get("checkpoint_id"), "weight": round(share, 6),
-                    "status": canary.get("status")})
+        out.append(
+            {
+                "role": "canary",
+                "policy_version": canary.get("policy_version"),
+                "checkpoint_id": canary.get("checkpoint_id"),
+                "weight": round(share, 6),
+                "status": canary.get("status"),
+            }
+        )
     return out
 
 
-def recent_events(conn: "Connection", limit: int = EVENTS_LIMIT) -> list[dict[str, Any]]:
+def recent_events(conn: Connection, limit: int = EVENTS_LIMIT) -> list[dict[str, Any]]:
     """The newest deployment changes and canary decisions of the audit log, newest first."""
     return [
-        {"at": r["at"], "actor": r["actor"], "action": r["action"], "target": r["target"], "success": r["success"],
-         "reason": (r["details"] or {}).get("reason") or (r["details"] or {}).get("error")}
+        {
+            "at": r["at"],
+            "actor": r["actor"],
+            "action": r["action"],
+            "target": r["target"],
+            "success": r["success"],
+            "reason": (r["details"] or {}).get("reason") or (r["details"] or {}).get("error"),
+        }
         for r in conn.execute(
-            text("SELECT at, actor, action, target, success, details FROM audit_log "
-                 "WHERE action LIKE 'deploy.%' OR action = 'canary.decision' ORDER BY id DESC LIMIT :limit"),
+            text(
+                "SELECT at, actor, action, target, success, details FROM audit_log "
+                "WHERE action LIKE 'deploy.%' OR action = 'canary.decision' ORDER BY id DESC LIMIT :limit"
+            ),
             {"limit": limit},
         ).mappings()
     ]
 
 
-def dashboard_data(engine: "Engine", settings: "Settings", kafka: KafkaLagProbe | None = None) -> dict[str, Any]:
+def dashboard_data(engine: Engine, settings: Settings, kafka: KafkaLagProbe | None = None) -> dict[str, Any]:
     """Everything ``GET /v1/dashboard`` answers (see the module docstring)."""
     from sqlalchemy.orm import Session
 
@@ -306,7 +386,9 @@ def dashboard_data(engine: "Engine", settings: "Settings", kafka: KafkaLagProbe 
     canary = status["canary"]
     with engine.connect() as conn:
         now = conn.execute(text("SELECT now()")).scalar_one()
-        comparison = canary_comparison(conn, settings, canary["id"] if canary and canary["status"] == "active" else None)
+        comparison = canary_comparison(
+            conn, settings, canary["id"] if canary and canary["status"] == "active" else None
+        )
         lag = {"rewarding": rewarding_lag(conn, settings), "trainer": trainer_lag(conn)}
         events = recent_events(conn)
     with Session(engine) as session:
@@ -322,9 +404,15 @@ def dashboard_data(engine: "Engine", settings: "Settings", kafka: KafkaLagProbe 
         "checkpoints": [asdict(c) for c in snap.checkpoints],
         "canary_comparison": comparison,
         "lag": lag,
-        "counts": {"raw_events": snap.raw_events, "sessions": snap.sessions, "rewards": snap.rewards,
-                   "samples": snap.samples, "promotions": snap.promotions, "rollbacks": snap.rollbacks,
-                   "cycles": snap.cycles},
+        "counts": {
+            "raw_events": snap.raw_events,
+            "sessions": snap.sessions,
+            "rewards": snap.rewards,
+            "samples": snap.samples,
+            "promotions": snap.promotions,
+            "rollbacks": snap.rollbacks,
+            "cycles": snap.cycles,
+        },
         "last_cycle": snap.last_cycle,
         "paused": {"trainer": _pause(trainer_pause), "canary": _pause(canary_pause)},
         "events": events,

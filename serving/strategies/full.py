@@ -30,7 +30,9 @@ class FullWeights(SwapStrategy):
         vllm_admin.reload_weights(url, target.path, timeout_s=timeout_s)
         vllm_admin.update_weight_version(url, target.policy_version)
         if not reset_prefix_cache(url):
-            log.warning("%s: the prefix cache could not be reset after the reload (blocks held by paused requests)", url)
+            log.warning(
+                "%s: the prefix cache could not be reset after the reload (blocks held by paused requests)", url
+            )
 
     def model_name(self, url: str, target: Target) -> str:
         """The replica's base model name: the weights change, the served name does not."""

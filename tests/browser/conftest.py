@@ -69,8 +69,9 @@ def browser(chromium_path: Path) -> Iterator[object]:
 
     with sync_playwright() as pw:
         args = ["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-        instance = pw.chromium.launch(executable_path=str(chromium_path), headless=True,
-                                      args=[*args, "--disable-gpu", "--disable-dev-shm-usage"])
+        instance = pw.chromium.launch(
+            executable_path=str(chromium_path), headless=True, args=[*args, "--disable-gpu", "--disable-dev-shm-usage"]
+        )
         try:
             yield instance
         finally:
@@ -84,11 +85,12 @@ class ServerThread:
         import uvicorn
 
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:

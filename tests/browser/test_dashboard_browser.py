@@ -24,16 +24,16 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from flywheel_integration_conftest import WARMUP_TIMEOUT_S, make_settings  # loaded by tests/browser/conftest.py
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from flywheel_integration_conftest import WARMUP_TIMEOUT_S, make_settings  # loaded by tests/browser/conftest.py
 from flywheel.auth import create_key, find_key, revoke_key
 from flywheel.config import CanarySettings, Settings
 from flywheel.db import migrate
@@ -84,8 +84,11 @@ def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Iterator[
         tmp_path_factory.mktemp("dashboard"),
         vllm={"replicas": 2, "startup_timeout_s": 900.0},  # the shared CI machine can be slow
         postgres={"url": db_url},
-        serving={"drain_timeout_s": 20.0, "canary_replicas": 1,
-                 "canary": CanarySettings(min_samples_per_step=100_000, max_canary_sessions=None)},
+        serving={
+            "drain_timeout_s": 20.0,
+            "canary_replicas": 1,
+            "canary": CanarySettings(min_samples_per_step=100_000, max_canary_sessions=None),
+        },
     )
     yield settings
     down(settings)
@@ -103,8 +106,11 @@ def replicas(settings: Settings, base_model_dir: Path) -> list[str]:
     urls = [state.components[f"vllm-{i}"].where for i in range(2)]
     model = policy_version_of(base_model_dir)
     for url in urls:
-        warm = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 4},
-                          timeout=WARMUP_TIMEOUT_S)
+        warm = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": model, "prompt": "warm up", "max_tokens": 4},
+            timeout=WARMUP_TIMEOUT_S,
+        )
         warm.raise_for_status()
     return urls
 
@@ -146,18 +152,31 @@ def nudged_copy(base: Path, target: Path, seed: int, scale: float = 0.02) -> Pat
     return target
 
 
-def add_checkpoint(engine, checkpoint_id: str, path: Path, parent: str, base_dir: Path, heldout: float,
-                   window_end: datetime) -> None:
+def add_checkpoint(
+    engine, checkpoint_id: str, path: Path, parent: str, base_dir: Path, heldout: float, window_end: datetime
+) -> None:
     """A trained-looking candidate: parent, data window, gate evaluation."""
     result = {"success_rate": heldout, "n": 64}
     with Session(engine) as session:
-        session.add(Checkpoint(
-            id=checkpoint_id, policy_version=checkpoint_id, parent_id=parent, base_model=str(base_dir), path=str(path),
-            format="full", status="candidate", status_reason="passed the gate (test)", n_samples=48,
-            data_window_start=window_end - timedelta(minutes=5), data_window_end=window_end,
-            eval={"heldout": {"test-gate": result},
-                  "gate": {"passed": True, "reason": "passed", "key": "test-gate", "candidate": result}},
-        ))
+        session.add(
+            Checkpoint(
+                id=checkpoint_id,
+                policy_version=checkpoint_id,
+                parent_id=parent,
+                base_model=str(base_dir),
+                path=str(path),
+                format="full",
+                status="candidate",
+                status_reason="passed the gate (test)",
+                n_samples=48,
+                data_window_start=window_end - timedelta(minutes=5),
+                data_window_end=window_end,
+                eval={
+                    "heldout": {"test-gate": result},
+                    "gate": {"passed": True, "reason": "passed", "key": "test-gate", "candidate": result},
+                },
+            )
+        )
         session.commit()
 
 
@@ -169,21 +188,31 @@ def write_rewards(engine, version: str, outcomes: list[float], prefix: str) -> l
             sid = f"{prefix}-{i}"
             components = {
                 "outcome": {"value": value, "weight": 1.0, "weighted": value},
-                "_meta": {"input_hash": uuid.uuid4().hex, "n_events": 4, "event_ids": [str(uuid.uuid4())],
-                          "stats": {"completions": 1, "tool_results": 0, "tool_errors": 0, "clarifying": 0}},
+                "_meta": {
+                    "input_hash": uuid.uuid4().hex,
+                    "n_events": 4,
+                    "event_ids": [str(uuid.uuid4())],
+                    "stats": {"completions": 1, "tool_results": 0, "tool_errors": 0, "clarifying": 0},
+                },
             }
             conn.execute(
-                text("INSERT INTO sessions (project, session_id, task, started_at, ended_at, status, policy_versions, "
-                     "n_events) VALUES (:p, :s, 'calc', now() - interval '15 min', now() - interval '12 min', "
-                     "'completed', ARRAY[:v], 4)"),
+                text(
+                    "INSERT INTO sessions (project, session_id, task, started_at, ended_at, status, policy_versions, "
+                    "n_events) VALUES (:p, :s, 'calc', now() - interval '15 min', now() - interval '12 min', "
+                    "'completed', ARRAY[:v], 4)"
+                ),
                 {"p": PROJECT, "s": sid, "v": version},
             )
-            ids.append(conn.execute(
-                text("INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions, "
-                     "config_hash, policy_version, reason) VALUES (:p, :s, 1, :r, CAST(:c AS jsonb), "
-                     "CAST('{\"outcome\": \"1\"}' AS jsonb), 'test', :v, 'finalized') RETURNING id"),
-                {"p": PROJECT, "s": sid, "r": value, "c": _json(components), "v": version},
-            ).scalar_one())
+            ids.append(
+                conn.execute(
+                    text(
+                        "INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions, "
+                        "config_hash, policy_version, reason) VALUES (:p, :s, 1, :r, CAST(:c AS jsonb), "
+                        "CAST('{\"outcome\": \"1\"}' AS jsonb), 'test', :v, 'finalized') RETURNING id"
+                    ),
+                    {"p": PROJECT, "s": sid, "r": value, "c": _json(components), "v": version},
+                ).scalar_one()
+            )
     return ids
 
 
@@ -198,16 +227,20 @@ def write_backlog(engine, version: str, reward_id: int) -> None:
     with engine.begin() as conn:
         for i in range(OVERDUE_SESSIONS):
             conn.execute(
-                text("INSERT INTO sessions (project, session_id, started_at, ended_at, status, n_events) "
-                     "VALUES (:p, :s, now() - interval '40 min', now() - interval '30 min', 'completed', 3)"),
+                text(
+                    "INSERT INTO sessions (project, session_id, started_at, ended_at, status, n_events) "
+                    "VALUES (:p, :s, now() - interval '40 min', now() - interval '30 min', 'completed', 3)"
+                ),
                 {"p": PROJECT, "s": f"unscored-{i}"},
             )
         for _ in range(WAITING_SAMPLES):
             conn.execute(
-                text("INSERT INTO training_samples (project, session_id, completion_id, reward_id, reward_version, "
-                     "policy_version, group_key, task, prompt_token_ids, completion_token_ids, loss_mask, "
-                     "behaviour_logprobs, reward, components) VALUES (:p, 'stable-0', :c, :r, 1, :v, 'g', 'calc', "
-                     "ARRAY[1,2], ARRAY[3], ARRAY[1]::smallint[], ARRAY[-0.5], 1.0, CAST('{}' AS jsonb))"),
+                text(
+                    "INSERT INTO training_samples (project, session_id, completion_id, reward_id, reward_version, "
+                    "policy_version, group_key, task, prompt_token_ids, completion_token_ids, loss_mask, "
+                    "behaviour_logprobs, reward, components) VALUES (:p, 'stable-0', :c, :r, 1, :v, 'g', 'calc', "
+                    "ARRAY[1,2], ARRAY[3], ARRAY[1]::smallint[], ARRAY[-0.5], 1.0, CAST('{}' AS jsonb))"
+                ),
                 {"p": PROJECT, "c": uuid.uuid4(), "r": reward_id, "v": version},
             )
 
@@ -239,12 +272,21 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
     status = ensure_fleet(engine, settings, replicas, model_dir=base_model_dir)
     base_id = status.stable.checkpoint_id
     root = tmp_path_factory.mktemp("checkpoints")
-    now = datetime.now(timezone.utc)
-    add_checkpoint(engine, CANDIDATE, nudged_copy(base_model_dir, root / CANDIDATE, seed=101), base_id, base_model_dir,
-                   heldout=0.45, window_end=now - timedelta(minutes=2))
+    now = datetime.now(UTC)
+    add_checkpoint(
+        engine,
+        CANDIDATE,
+        nudged_copy(base_model_dir, root / CANDIDATE, seed=101),
+        base_id,
+        base_model_dir,
+        heldout=0.45,
+        window_end=now - timedelta(minutes=2),
+    )
     with Session(engine) as session:
-        tokens = {role: create_key(session, name=f"{role}-ui", role=role, created_by="test")[1]
-                  for role in ("viewer", "operator")}
+        tokens = {
+            role: create_key(session, name=f"{role}-ui", role=role, created_by="test")[1]
+            for role in ("viewer", "operator")
+        }
         session.commit()
 
     app = serving.admin.create_app(settings, engine)
@@ -252,7 +294,9 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
     errors: list[str] = []
     with serve_app(app) as server:
         api = httpx.Client(base_url=server.url, timeout=300.0)
-        answer = api.post("/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.25}, headers=bearer(tokens["operator"]))
+        answer = api.post(
+            "/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.25}, headers=bearer(tokens["operator"])
+        )
         assert answer.status_code == 200, answer.text
         stable_ids = write_rewards(engine, base_version, [1.0, 0.0] * 12, "stable")
         write_rewards(engine, CANDIDATE, [1.0, 0.0, 1.0] * 4, "canary")
@@ -329,9 +373,18 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
         assert {vllm_admin.weight_info(url) for url in replicas} == {CANDIDATE}
 
         # A second canary through the API, rolled back from the page.
-        add_checkpoint(engine, SECOND, nudged_copy(base_model_dir, root / SECOND, seed=202), CANDIDATE, base_model_dir,
-                       heldout=0.5, window_end=datetime.now(timezone.utc))
-        answer = api.post("/v1/canary", json={"checkpoint_id": SECOND, "weight": 0.1}, headers=bearer(tokens["operator"]))
+        add_checkpoint(
+            engine,
+            SECOND,
+            nudged_copy(base_model_dir, root / SECOND, seed=202),
+            CANDIDATE,
+            base_model_dir,
+            heldout=0.5,
+            window_end=datetime.now(UTC),
+        )
+        answer = api.post(
+            "/v1/canary", json={"checkpoint_id": SECOND, "weight": 0.1}, headers=bearer(tokens["operator"])
+        )
         assert answer.status_code == 200, answer.text
         expect(page.locator("#traffic-canary")).to_contain_text(SECOND)
         expect(page.locator("#traffic-canary .weight")).to_have_text("10.0 %")  # pending (0 %) until the swap is done

@@ -23,7 +23,12 @@ from flywheel.stack import endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]  # budget + stack start + teardown
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(2400),
+]  # budget + stack start + teardown
 
 BUDGET_MINUTES = 20.0
 """Longest the learning phase may run before the test fails (it ends at the first promotion,
@@ -82,27 +87,37 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
         with engine.connect() as conn:
             seen["audit"] = [
                 tuple(r)
-                for r in conn.execute(text("SELECT actor, action, success FROM audit_log WHERE action LIKE 'deploy.%' ORDER BY id"))
-            ]
-            seen["promoted"] = conn.execute(
-                text(
-                    "SELECT c.id, c.parent_id, c.eval, d.status FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
-                    "WHERE d.role = 'canary' AND d.status = 'promoted' ORDER BY d.id LIMIT 1"
+                for r in conn.execute(
+                    text("SELECT actor, action, success FROM audit_log WHERE action LIKE 'deploy.%' ORDER BY id")
                 )
-            ).mappings().first()
+            ]
+            seen["promoted"] = (
+                conn.execute(
+                    text(
+                        "SELECT c.id, c.parent_id, c.eval, d.status FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
+                        "WHERE d.role = 'canary' AND d.status = 'promoted' ORDER BY d.id LIMIT 1"
+                    )
+                )
+                .mappings()
+                .first()
+            )
             seen["replicas"] = [tuple(r) for r in conn.execute(text("SELECT state, policy_version FROM replicas"))]
             seen["trace"] = [  # printed when an assertion fails: what the cycles and the canary did
                 " ".join(str(v) for v in r)
-                for r in conn.execute(text(
-                    "SELECT started_at AS at, 'cycle ' || id, status || ': ' || coalesce(reason, ''), "
-                    "'tokens/s ' || coalesce(round((metrics->>'tokens_per_s')::numeric)::text, '-') FROM training_cycles "
-                    "UNION ALL SELECT at, action, target, details->>'reason' FROM audit_log "
-                    "WHERE action LIKE 'deploy.%' OR action = 'canary.decision' ORDER BY 1"
-                ))
+                for r in conn.execute(
+                    text(
+                        "SELECT started_at AS at, 'cycle ' || id, status || ': ' || coalesce(reason, ''), "
+                        "'tokens/s ' || coalesce(round((metrics->>'tokens_per_s')::numeric)::text, '-') FROM training_cycles "
+                        "UNION ALL SELECT at, action, target, details->>'reason' FROM audit_log "
+                        "WHERE action LIKE 'deploy.%' OR action = 'canary.decision' ORDER BY 1"
+                    )
+                )
             ]
             seen["stable_version"] = conn.execute(
-                text("SELECT c.policy_version FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
-                     "WHERE d.role = 'stable' AND d.status = 'active'")  # fmt: skip
+                text(
+                    "SELECT c.policy_version FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
+                    "WHERE d.role = 'stable' AND d.status = 'active'"
+                )  # fmt: skip
             ).scalar_one()
         seen["dashboard"] = _dashboard(request, engine, child_settings, seen["stable_version"])
 
@@ -132,7 +147,9 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
     assert summary["failed_requests"] == 0, summary
     assert summary["final_success"] >= summary["base_success"], summary
     promoted = seen["promoted"]
-    assert promoted is not None and promoted["parent_id"] is not None, "the promoted checkpoint was trained from a parent"
+    assert promoted is not None and promoted["parent_id"] is not None, (
+        "the promoted checkpoint was trained from a parent"
+    )
     assert (promoted["eval"] or {}).get("heldout"), "the promoted checkpoint went through the eval gate"
     actions = [(actor, action, ok) for actor, action, ok in seen["audit"]]
     assert ("canary-controller", "deploy.canary", True) in actions, actions
@@ -144,7 +161,9 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
         assert seen["stable_version"] in seen["dashboard"]["table"]
 
 
-def _dashboard(request: pytest.FixtureRequest, engine: Any, settings: Settings, stable_version: str) -> dict[str, Any] | None:
+def _dashboard(
+    request: pytest.FixtureRequest, engine: Any, settings: Settings, stable_version: str
+) -> dict[str, Any] | None:
     """Open the dashboard on the run's data with a viewer token; screenshot; None when Chromium is missing."""
     try:
         browser = request.getfixturevalue("browser")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,14 @@ def setup_fleet(engine: Engine, weight: float = 0.05) -> int:
     with Session(engine) as session:
         for version, status in ((STABLE, "deployed"), (CANARY, "candidate")):
             session.add(
-                Checkpoint(id=version, policy_version=version, base_model="tiny", path=f"/nonexistent/{version}",
-                           format="full", status=status)
+                Checkpoint(
+                    id=version,
+                    policy_version=version,
+                    base_model="tiny",
+                    path=f"/nonexistent/{version}",
+                    format="full",
+                    status=status,
+                )
             )
         session.flush()
         session.add(Deployment(fleet=FLEET, checkpoint_id=STABLE, role="stable", weight=1.0, status="active"))
@@ -75,8 +81,17 @@ def components(success: float | None, stats: dict[str, float] | None = None) -> 
             "input_hash": "x",
             "n_events": 4,
             "event_ids": [],
-            "stats": {"completions": 2.0, "completion_tokens": 40.0, "clarifying": 0.0, "tool_results": 1.0,
-                      "tool_errors": 0.0, "edited": 0.0, "grm_scored": 0.0, "grm_disagree": 0.0} | (stats or {}),
+            "stats": {
+                "completions": 2.0,
+                "completion_tokens": 40.0,
+                "clarifying": 0.0,
+                "tool_results": 1.0,
+                "tool_errors": 0.0,
+                "edited": 0.0,
+                "grm_scored": 0.0,
+                "grm_disagree": 0.0,
+            }
+            | (stats or {}),
         }
     }
     if success is not None:
@@ -102,27 +117,68 @@ def add_sessions(
     then a version 2 that says solved (the newest version must count). ``reward`` replaces
     the composite reward (default: the success); ``outcome=False`` leaves the outcome out.
     """
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with Session(engine) as session:
         for i in range(n):
             sid = f"{version}-{uuid.uuid4().hex[:12]}"
             ok = 1.0 if i < successes else 0.0
             if i < revised and ok:
-                session.add(Reward(project="p", session_id=sid, version=1, reward=0.0, components=components(0.0),
-                                   extractor_versions={"outcome": "1"}, config_hash="h" * 64, policy_version=version))
-                session.add(Reward(project="p", session_id=sid, version=2, reward=ok, components=components(ok),
-                                   extractor_versions={"outcome": "1"}, config_hash="h" * 64, policy_version=version,
-                                   reason="late_feedback"))
+                session.add(
+                    Reward(
+                        project="p",
+                        session_id=sid,
+                        version=1,
+                        reward=0.0,
+                        components=components(0.0),
+                        extractor_versions={"outcome": "1"},
+                        config_hash="h" * 64,
+                        policy_version=version,
+                    )
+                )
+                session.add(
+                    Reward(
+                        project="p",
+                        session_id=sid,
+                        version=2,
+                        reward=ok,
+                        components=components(ok),
+                        extractor_versions={"outcome": "1"},
+                        config_hash="h" * 64,
+                        policy_version=version,
+                        reason="late_feedback",
+                    )
+                )
             else:
-                session.add(Reward(project="p", session_id=sid, version=1, reward=ok if reward is None else reward,
-                                   components=components(ok if outcome else None), extractor_versions={"outcome": "1"},
-                                   config_hash="h" * 64, policy_version=version))
+                session.add(
+                    Reward(
+                        project="p",
+                        session_id=sid,
+                        version=1,
+                        reward=ok if reward is None else reward,
+                        components=components(ok if outcome else None),
+                        extractor_versions={"outcome": "1"},
+                        config_hash="h" * 64,
+                        policy_version=version,
+                    )
+                )
             status = "failed" if i >= n - failed else "completed"
-            session.add(AgentSession(project="p", session_id=sid, started_at=now, ended_at=now, status=status,
-                                     policy_versions=[version]))
+            session.add(
+                AgentSession(
+                    project="p", session_id=sid, started_at=now, ended_at=now, status=status, policy_versions=[version]
+                )
+            )
             if latency_ms is not None:
-                session.add(RawEvent(event_id=uuid.uuid4(), project="p", session_id=sid, type="completion",
-                                     schema_version=1, occurred_at=now, payload={"latency_ms": latency_ms + i % 7}))
+                session.add(
+                    RawEvent(
+                        event_id=uuid.uuid4(),
+                        project="p",
+                        session_id=sid,
+                        type="completion",
+                        schema_version=1,
+                        occurred_at=now,
+                        payload={"latency_ms": latency_ms + i % 7},
+                    )
+                )
         session.commit()
 
 
@@ -281,7 +337,7 @@ def test_auto_deploy_picks_the_newest_gated_candidate_of_the_stable(engine: Engi
         for i, (cid, parent, status, eval_) in enumerate(rows):
             session.add(Checkpoint(id=cid, policy_version=cid, parent_id=parent, base_model="tiny",
                                    path=f"/nonexistent/{cid}", format="full", status=status, eval=eval_,
-                                   created_at=datetime(2026, 1, 1, 0, i, tzinfo=timezone.utc)))  # fmt: skip
+                                   created_at=datetime(2026, 1, 1, 0, i, tzinfo=UTC)))  # fmt: skip
             session.flush()
         session.commit()
     settings = make_settings(engine, tmp_path, auto_deploy=True, steps=[0.25, 1.0])
@@ -289,10 +345,14 @@ def test_auto_deploy_picks_the_newest_gated_candidate_of_the_stable(engine: Engi
         assert next_candidate(session, FLEET).id == "new-gated"
     calls: list[tuple[str, float, str]] = []
 
-    def record(_engine: Engine, _settings: Settings, checkpoint_id: str, weight: float, actor: str, details: dict) -> dict:
+    def record(
+        _engine: Engine, _settings: Settings, checkpoint_id: str, weight: float, actor: str, details: dict
+    ) -> dict:
         calls.append((checkpoint_id, weight, actor))
         with Session(engine) as session:
-            session.add(Deployment(fleet=FLEET, checkpoint_id=checkpoint_id, role="canary", weight=weight, status="active"))
+            session.add(
+                Deployment(fleet=FLEET, checkpoint_id=checkpoint_id, role="canary", weight=weight, status="active")
+            )
             session.commit()
         return {}
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from conftest import topic_in_batches
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from conftest import topic_in_batches
 from flywheel.config import Settings
 from flywheel.contracts.topics import events_topic
 from serving.dashboard.api import measure_kafka_lag

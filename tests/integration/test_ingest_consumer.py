@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
@@ -37,11 +37,11 @@ from flywheel.contracts import (
 )
 from flywheel.contracts.topics import dead_letter_topic, events_topic
 from flywheel.db.migrate import upgrade
+from flywheel.sdk import Flywheel
 from flywheel.stack.endpoints import libpq_conninfo
 from ingest import metrics
 from ingest.consumer import IngestConsumer
 from ingest.report import build_report
-from flywheel.sdk import Flywheel
 from ingest.topics import ensure_topics
 
 pytestmark = pytest.mark.integration
@@ -155,7 +155,7 @@ def session_events(project: str, session_id: str, t0: datetime) -> list:
 
 def test_valid_events_land_once_and_bad_records_become_dead_letters(ingest_settings, db, producer, kafka_bootstrap):
     project = ingest_settings.kafka.topic_prefix
-    t0 = datetime.now(timezone.utc) - timedelta(minutes=1)
+    t0 = datetime.now(UTC) - timedelta(minutes=1)
     good = session_events(project, "s1", t0)
     bad_turn = b'{"schema_version": 1, "type": "turn", "project": "%s", "session_id": "s1"}' % project.encode()
     records = [
@@ -218,11 +218,9 @@ def test_valid_events_land_once_and_bad_records_become_dead_letters(ingest_setti
     assert count_dead(db, topic) == 5
 
 
-def test_feedback_before_its_session_and_for_unknown_sessions_is_kept_and_reported(
-    ingest_settings, db, producer
-):
+def test_feedback_before_its_session_and_for_unknown_sessions_is_kept_and_reported(ingest_settings, db, producer):
     project = ingest_settings.kafka.topic_prefix
-    t0 = datetime.now(timezone.utc) - timedelta(minutes=10)
+    t0 = datetime.now(UTC) - timedelta(minutes=10)
     lost = Feedback(project=project, session_id="never-seen", kind="accept")
     lost_outcome = Outcome(project=project, session_id="never-seen", name="tests_passed", value=True)
     waiting = Feedback(project=project, session_id="no-start", kind="score", score=0.5)
@@ -253,7 +251,7 @@ def test_feedback_before_its_session_and_for_unknown_sessions_is_kept_and_report
 
 def test_a_lost_database_connection_is_retried_without_losing_events(ingest_settings, db, producer):
     project = ingest_settings.kafka.topic_prefix
-    t0 = datetime.now(timezone.utc) - timedelta(minutes=1)
+    t0 = datetime.now(UTC) - timedelta(minutes=1)
     first, second = session_events(project, "a", t0), session_events(project, "b", t0)
     retries = metrics.DB_RETRIES._value.get()
     with running_consumer(ingest_settings, db):
@@ -295,7 +293,7 @@ def test_consumer_killed_mid_stream_then_restarted_writes_every_event_exactly_on
     ingest_settings, db, producer, pg_url, tmp_path, fault_figures
 ):
     project = ingest_settings.kafka.topic_prefix
-    t0 = datetime.now(timezone.utc) - timedelta(minutes=5)
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
     events = []
     for s in range(60):
         sid = f"s{s}"
@@ -478,8 +476,7 @@ def test_postgres_restarted_under_traffic_the_consumer_reconnects_and_loses_noth
     reconnect by itself once the server is back, and in the end every event is in
     ``raw_events`` exactly once and counted once in ``sessions``.
     """
-    from flywheel.stack import down, up
-    from flywheel.stack import endpoints
+    from flywheel.stack import down, endpoints, up
 
     stack = settings_factory(postgres={"port": unused_port()})  # no machine server there: an embedded one
     assert up(stack, ["postgres"]).components["postgres"].source == "embedded"
@@ -496,7 +493,7 @@ def test_postgres_restarted_under_traffic_the_consumer_reconnects_and_loses_noth
     )
     ensure_topics(settings, kafka_bootstrap)
     project = settings.kafka.topic_prefix
-    t0 = datetime.now(timezone.utc) - timedelta(minutes=5)
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
     sessions = [session_events(project, f"s{i}", t0) for i in range(240)]
     total = sum(len(s) for s in sessions)
 

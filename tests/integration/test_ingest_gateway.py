@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from conftest import JSON_VALUES, schemathesis_sweep
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -28,7 +29,6 @@ from flywheel.db.migrate import upgrade
 from ingest.cli import app as cli_app
 from ingest.gateway import create_app
 from ingest.topics import ensure_topics
-from conftest import JSON_VALUES, schemathesis_sweep
 
 pytestmark = pytest.mark.integration
 
@@ -219,9 +219,10 @@ def test_openapi_and_metrics_are_served_behind_a_key(gateway):
     spec = httpx.get(f"{gateway.url}/openapi.json", headers=writer).json()
     responses = spec["paths"]["/v1/events"]["post"]["responses"]
     assert {"202", "401", "403", "413", "422"} <= set(responses)
-    assert "events" in spec["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"]["schema"][
-        "properties"
-    ]
+    assert (
+        "events"
+        in spec["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    )
     assert httpx.get(f"{gateway.url}/docs", headers=viewer).status_code == 200
     metrics = httpx.get(f"{gateway.url}/metrics", headers=viewer).text  # they name projects: not for write keys
     assert f'flywheel_ingest_accepted_total{{project="{gateway.project}"}}' in metrics
@@ -250,6 +251,7 @@ def test_every_route_but_healthz_refuses_a_request_without_a_valid_key(gateway):
         checked += 1
     assert checked >= 4  # /v1/events, /metrics, /openapi.json, /docs
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+
 
 def test_schemathesis_on_the_gateway_finds_no_5xx_and_every_refusal_says_why(gateway, fault_figures):
     """schemathesis over the gateway's own OpenAPI (served to the key), valid and

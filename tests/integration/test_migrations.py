@@ -67,38 +67,50 @@ def test_schema_enforces_invariants(empty_db):
     engine = create_engine(empty_db)
     try:
         with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO checkpoints (id, policy_version, base_model, path, format, status) "
-                "VALUES ('c1', 'v1', 'base', '/x', 'full', 'candidate'), ('c2', 'v2', 'base', '/y', 'full', 'candidate')"
-            ))
-            conn.execute(text(
-                "INSERT INTO deployments (fleet, checkpoint_id, role, weight, status) "
-                "VALUES ('default', 'c1', 'stable', 1.0, 'active')"
-            ))
+            conn.execute(
+                text(
+                    "INSERT INTO checkpoints (id, policy_version, base_model, path, format, status) "
+                    "VALUES ('c1', 'v1', 'base', '/x', 'full', 'candidate'), ('c2', 'v2', 'base', '/y', 'full', 'candidate')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO deployments (fleet, checkpoint_id, role, weight, status) "
+                    "VALUES ('default', 'c1', 'stable', 1.0, 'active')"
+                )
+            )
         # a second active stable in the same fleet is refused
         with pytest.raises(Exception, match="uq_deployments_active_role"):
             with engine.begin() as conn:
-                conn.execute(text(
-                    "INSERT INTO deployments (fleet, checkpoint_id, role, weight, status) "
-                    "VALUES ('default', 'c2', 'stable', 1.0, 'active')"
-                ))
+                conn.execute(
+                    text(
+                        "INSERT INTO deployments (fleet, checkpoint_id, role, weight, status) "
+                        "VALUES ('default', 'c2', 'stable', 1.0, 'active')"
+                    )
+                )
         # a writer key must be scoped to a project
         with pytest.raises(Exception, match="writer_has_project"):
             with engine.begin() as conn:
-                conn.execute(text(
-                    "INSERT INTO api_keys (name, role, token_prefix, token_hash) VALUES ('k', 'writer', 'fw_', 'h')"
-                ))
+                conn.execute(
+                    text(
+                        "INSERT INTO api_keys (name, role, token_prefix, token_hash) VALUES ('k', 'writer', 'fw_', 'h')"
+                    )
+                )
         # reward versions are unique per session
         with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions, config_hash)"
-                " VALUES ('p', 's', 1, 0.5, '{}', '{}', 'h')"
-            ))
+            conn.execute(
+                text(
+                    "INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions, config_hash)"
+                    " VALUES ('p', 's', 1, 0.5, '{}', '{}', 'h')"
+                )
+            )
         with pytest.raises(Exception, match="uq_rewards_session_version"):
             with engine.begin() as conn:
-                conn.execute(text(
-                    "INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions,"
-                    " config_hash) VALUES ('p', 's', 1, 0.9, '{}', '{}', 'h')"
-                ))
+                conn.execute(
+                    text(
+                        "INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions,"
+                        " config_hash) VALUES ('p', 's', 1, 0.9, '{}', '{}', 'h')"
+                    )
+                )
     finally:
         engine.dispose()

@@ -107,7 +107,9 @@ def test_calibration_keeps_the_attempt_nearest_the_band(model_dir: Path) -> None
     if len(attempts) < builder.CALIBRATION_ATTEMPTS:  # it stopped early: the last attempt was in the band
         assert distance(attempts[-1].calibration_success) == 0.0 and chosen[0] == attempts[-1]
     # what was kept is what the chosen attempt measured (same calibration problems and sampling seed)
-    again = heldout_success(model_dir, n=builder.EVAL_N, seed=builder.CALIBRATION_SEED, temperature=builder.EVAL_TEMPERATURE)
+    again = heldout_success(
+        model_dir, n=builder.EVAL_N, seed=builder.CALIBRATION_SEED, temperature=builder.EVAL_TEMPERATURE
+    )
     assert abs(again.success_rate - chosen[0].calibration_success) <= 0.02
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import text
@@ -46,7 +46,7 @@ def settings(replica, **grm) -> RewardingSettings:
 
 
 def session(question: str = "What is 12+30?", answer: str = "answer: 42") -> Session:
-    b = SessionBuilder(project="rw-grm", at=datetime.now(timezone.utc) - timedelta(minutes=1))
+    b = SessionBuilder(project="rw-grm", at=datetime.now(UTC) - timedelta(minutes=1))
     b.start(task="arith")
     b.completion(answer, prompt=[{"role": "user", "content": question}])
     b.outcome("task_solved", True)

@@ -11,14 +11,14 @@ import random
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
+from conftest import topic_in_batches
 from sqlalchemy import text
 
 from flywheel.db import migrate
 from flywheel.db.engine import get_engine
-from conftest import topic_in_batches
 from rewarding.harness import WorkerProcess, make_producer, produce, settings_env, wait_until
 from rewarding.synthetic import arith_session
 
@@ -80,7 +80,7 @@ def test_killed_and_restarted_worker_scores_every_session_exactly_once(
 
     def feed() -> None:
         for i in range(SESSIONS):
-            b = arith_session(rng, project=project, at=datetime.now(timezone.utc))
+            b = arith_session(rng, project=project, at=datetime.now(UTC))
             produce(producer, topic, b.events, flush=i % 10 == 9)
             time.sleep(1.0 / PER_SECOND)
         producer.flush()
@@ -162,7 +162,7 @@ def test_a_worker_joining_and_leaving_mid_stream_loses_and_doubles_nothing(
 
     def feed() -> None:
         while not stop.is_set():
-            b = arith_session(rng, project=project, at=datetime.now(timezone.utc))
+            b = arith_session(rng, project=project, at=datetime.now(UTC))
             produce(producer, topic, b.events, flush=sent[0] % 5 == 4)
             session_ids.append(b.session_id)
             sent[0] += 1

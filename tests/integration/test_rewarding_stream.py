@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -20,8 +20,8 @@ from flywheel.config import DetectorSettings, RewardingSettings
 from flywheel.contracts.events import ToolCall, dump_event
 from flywheel.db import migrate
 from flywheel.db.engine import get_engine
-from rewarding.harness import WorkerProcess, free_port, make_producer, produce, settings_env, wait_until
 from rewarding.detectors import detector_report
+from rewarding.harness import WorkerProcess, free_port, make_producer, produce, settings_env, wait_until
 from rewarding.recompute import recompute
 from rewarding.records import ScoredReward
 from rewarding.scorer import Scorer
@@ -170,7 +170,7 @@ def scenario(kafka_bootstrap: str, pg_url: str, tmp_path_factory: pytest.TempPat
     worker = WorkerProcess(env, tmp_path_factory.mktemp("rw") / "worker.log").start()
     producer = make_producer(kafka_bootstrap)
     topic = f"{s.prefix}.events"
-    at = datetime.now(timezone.utc)
+    at = datetime.now(UTC)
     try:
         for name in ("parl", "retrieval", "summary", "accept", "revert", "outcome_only"):
             s.sessions[name] = SessionBuilder(f"{name}-{tag}", project=s.project, at=at, policy_version=s.policy)
@@ -187,7 +187,7 @@ def scenario(kafka_bootstrap: str, pg_url: str, tmp_path_factory: pytest.TempPat
         producer.flush()
         wait_until(lambda: len(s.rewards("revert")) == 1, 60, "the revert session's first version")
         s.extra["revert_v1_samples"] = len(s.samples("revert"))
-        late = s.sessions["revert"].feedback("revert", at=datetime.now(timezone.utc))
+        late = s.sessions["revert"].feedback("revert", at=datetime.now(UTC))
         produce(producer, topic, [late])
         wait_until(lambda: len(s.rewards("revert")) == 2, 60, "the revert session's second version")
         wait_until(lambda: s.rewards("outcome_only"), 60, "the outcome-only session (timeout)")
@@ -277,7 +277,7 @@ def test_every_version_is_published_on_the_scored_topic(scenario: Scenario) -> N
 
 
 def test_detectors_report_per_policy_version(scenario: Scenario) -> None:
-    since = datetime.now(timezone.utc) - timedelta(hours=1)
+    since = datetime.now(UTC) - timedelta(hours=1)
     report = detector_report(scenario.db_url, since, DetectorSettings(min_sessions=1))
     (ours,) = [p for p in report.policies if p.policy_version == scenario.policy]
     assert ours.sessions == 5  # the outcome-only session has no completion, so no policy version
@@ -319,7 +319,7 @@ def _store_raw_events(scenario: Scenario) -> None:
 def test_recompute_reproduces_the_stored_rewards_exactly(scenario: Scenario) -> None:
     _store_raw_events(scenario)
     settings = RewardingSettings.model_validate(REWARDING)
-    since = datetime.now(timezone.utc) - timedelta(hours=1)
+    since = datetime.now(UTC) - timedelta(hours=1)
 
     async def run(**kw):
         scorer = Scorer.from_settings(settings, no_judge)

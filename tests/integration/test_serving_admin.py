@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import JSON_VALUES, schemathesis_sweep
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from hypothesis import strategies as st
@@ -31,8 +32,15 @@ from flywheel.db import migrate
 from flywheel.db.engine import get_engine
 from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.stack import endpoints
-from conftest import JSON_VALUES, schemathesis_sweep
-from serving.admin import PUBLIC_PATHS, READ_METHODS, ROLE_RANK, BootstrapRefused, bootstrap_admin_token, create_app, required_role
+from serving.admin import (
+    PUBLIC_PATHS,
+    READ_METHODS,
+    ROLE_RANK,
+    BootstrapRefused,
+    bootstrap_admin_token,
+    create_app,
+    required_role,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -126,16 +134,37 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def add_checkpoint(engine, checkpoint_id: str, *, parent: str | None, path: str, status: str = "candidate",
-                   success: float | None = None) -> None:
+def add_checkpoint(
+    engine,
+    checkpoint_id: str,
+    *,
+    parent: str | None,
+    path: str,
+    status: str = "candidate",
+    success: float | None = None,
+) -> None:
     eval_ = {}
     if success is not None:
         candidate = {"success_rate": success, "n": 32}
-        eval_ = {"heldout": {"k": candidate}, "gate": {"passed": True, "reason": "passed", "key": "k", "candidate": candidate}}
+        eval_ = {
+            "heldout": {"k": candidate},
+            "gate": {"passed": True, "reason": "passed", "key": "k", "candidate": candidate},
+        }
     with Session(engine) as session:
-        session.add(Checkpoint(id=checkpoint_id, policy_version=checkpoint_id, parent_id=parent, base_model=path,
-                               path=path, format="full", status=status, status_reason=f"{status} in a test",
-                               n_samples=10, eval=eval_))
+        session.add(
+            Checkpoint(
+                id=checkpoint_id,
+                policy_version=checkpoint_id,
+                parent_id=parent,
+                base_model=path,
+                path=path,
+                format="full",
+                status=status,
+                status_reason=f"{status} in a test",
+                n_samples=10,
+                eval=eval_,
+            )
+        )
         session.commit()
 
 
@@ -150,13 +179,28 @@ def base_id(engine, base_model_dir: Path) -> str:
 def stable_fleet(engine, fleet: str, base_id: str, urls: list[str]) -> int:
     """A fleet serving the base as stable on replicas registered at ``urls`` (state serving)."""
     with Session(engine) as session:
-        stable = Deployment(fleet=fleet, checkpoint_id=base_id, role="stable", weight=1.0, strategy="full",
-                            status="active", created_by="test")
+        stable = Deployment(
+            fleet=fleet,
+            checkpoint_id=base_id,
+            role="stable",
+            weight=1.0,
+            strategy="full",
+            status="active",
+            created_by="test",
+        )
         session.add(stable)
         session.flush()
         for url in urls:
-            session.add(Replica(fleet=fleet, url=url, state="serving", policy_version=base_id, checkpoint_id=base_id,
-                                deployment_id=stable.id))
+            session.add(
+                Replica(
+                    fleet=fleet,
+                    url=url,
+                    state="serving",
+                    policy_version=base_id,
+                    checkpoint_id=base_id,
+                    deployment_id=stable.id,
+                )
+            )
         session.commit()
         return stable.id
 
@@ -173,8 +217,11 @@ def test_every_route_refuses_missing_unknown_revoked_and_writer_tokens(client, t
     checked = 0
     for method, path, _route in protected_endpoints(client.app):
         url = concrete(path)
-        for headers, fragment in (({}, "missing token"), (bearer("fwo_" + "x" * 32), "unknown token"),
-                                  (bearer(tokens["revoked"]), "revoked")):
+        for headers, fragment in (
+            ({}, "missing token"),
+            (bearer("fwo_" + "x" * 32), "unknown token"),
+            (bearer(tokens["revoked"]), "revoked"),
+        ):
             response = client.request(method, url, headers=headers, json={})
             assert response.status_code == 401, (method, path, response.text)
             assert response.headers["www-authenticate"] == "Bearer"
@@ -261,7 +308,10 @@ def test_checkpoints_list_pages_newest_first_and_show(engine, client, tokens, ba
     detail = client.get(f"/v1/checkpoints/{parent}", headers=viewer).json()
     assert detail["path"] == "/nowhere/a" and detail["eval"]["gate"]["passed"] is True and "metrics" in detail
     missing = client.get("/v1/checkpoints/nope", headers=viewer)
-    assert missing.status_code == 404 and missing.json() == {"error": "not_found", "reason": "no checkpoint 'nope' in the registry"}
+    assert missing.status_code == 404 and missing.json() == {
+        "error": "not_found",
+        "reason": "no checkpoint 'nope' in the registry",
+    }
     bad = client.get("/v1/checkpoints", params={"limit": 0, "status": "shiny"}, headers=viewer)
     assert bad.status_code == 422 and "query.limit" in bad.json()["reason"] and "query.status" in bad.json()["reason"]
 
@@ -275,7 +325,15 @@ def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens
     add_checkpoint(engine, rejected, parent=base_id, path="/nowhere/r", status="rejected")
 
     cases = [
-        ("POST", "/v1/canary", {"checkpoint_id": "nope", "weight": 0.05}, 404, "not_found", "no checkpoint 'nope'", "deploy"),
+        (
+            "POST",
+            "/v1/canary",
+            {"checkpoint_id": "nope", "weight": 0.05},
+            404,
+            "not_found",
+            "no checkpoint 'nope'",
+            "deploy",
+        ),
         ("POST", "/v1/canary", {"checkpoint_id": rejected, "weight": 0.05}, 422, "invalid", "is rejected", "deploy"),
         ("POST", "/v1/canary", {"checkpoint_id": base_id, "weight": 1.5}, 422, "invalid", "body.weight", "api"),
         ("POST", "/v1/canary", {"checkpoint_id": base_id, "wieght": 0.5}, 422, "invalid", "body.wieght", "api"),
@@ -292,8 +350,15 @@ def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens
         assert answer["error"] == kind and fragment in answer["reason"], answer
         [row] = audit_since(engine, before)  # one row: the deploy function's, or the API's when it never got there
         assert row.success is False and row.actor == "token:operator" and row.target == f"fleet:{fleet}", row.details
-        assert row.action == {"/v1/canary": "deploy.canary", "/v1/canary/weight": "deploy.weight",
-                              "/v1/promote": "deploy.promote", "/v1/rollback": "deploy.rollback"}[path]
+        assert (
+            row.action
+            == {
+                "/v1/canary": "deploy.canary",
+                "/v1/canary/weight": "deploy.weight",
+                "/v1/promote": "deploy.promote",
+                "/v1/rollback": "deploy.rollback",
+            }[path]
+        )
         if writer == "api":
             assert row.details["status"] == status and fragment in row.details["reason"]
         else:
@@ -306,11 +371,15 @@ def test_a_full_weight_canary_needs_a_spare_replica(engine, client, tokens, base
     ensure_fleet(engine, make_settings(fleet), urls=[dead_url()], model_dir=base_model_dir)
     candidate = f"ck-{uuid.uuid4().hex[:6]}"
     add_checkpoint(engine, candidate, parent=base_id, path=str(base_model_dir))
-    response = client.post("/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"]))
+    response = client.post(
+        "/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"])
+    )
     assert response.status_code == 409 and "would leave no stable replica" in response.json()["reason"]
 
 
-def test_a_failed_swap_is_502_and_the_canary_ends_failed(engine, client, tokens, base_id, fleet, base_model_dir, tmp_path):
+def test_a_failed_swap_is_502_and_the_canary_ends_failed(
+    engine, client, tokens, base_id, fleet, base_model_dir, tmp_path
+):
     urls = [dead_url(), dead_url()]
     stable_fleet(engine, fleet, base_id, urls)
     candidate = f"ck-{uuid.uuid4().hex[:6]}"
@@ -318,7 +387,9 @@ def test_a_failed_swap_is_502_and_the_canary_ends_failed(engine, client, tokens,
     add_checkpoint(engine, candidate, parent=base_id, path=str(tmp_path / candidate))
 
     before = last_audit_id(engine)
-    response = client.post("/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"]))
+    response = client.post(
+        "/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"])
+    )
     assert response.status_code == 502, response.text
     body = response.json()
     assert body["error"] == "failed" and urls[-1] in body["reason"] and "unreachable" in body["reason"]
@@ -363,7 +434,9 @@ def test_pause_and_resume_are_audited_under_the_token(engine, client, tokens, wh
     assert resumed.status_code == 200 and resumed.json()["paused"] is False
     rows = audit_since(engine, before)
     assert [(r.action, r.actor, r.success) for r in rows] == [
-        (f"{action}.pause", "token:operator", True), (f"{action}.resume", "token:operator", True)]
+        (f"{action}.pause", "token:operator", True),
+        (f"{action}.resume", "token:operator", True),
+    ]
     assert rows[0].details["reason"] == "incident 42" and rows[0].before == {"paused": False}
     bad = client.post(f"/v1/{what}/pause", json={"reason": "x" * 600}, headers=operator)
     assert bad.status_code == 422 and "body.reason" in bad.json()["reason"]
@@ -391,7 +464,10 @@ def test_token_lifecycle_through_the_api(engine, client, tokens):
 
     dup = client.post("/v1/tokens", json={"name": name, "role": "viewer"}, headers=admin)
     assert dup.status_code == 409 and "already named" in dup.json()["reason"]
-    for body, field in (({"name": "has space", "role": "viewer"}, "body.name"), ({"name": "w", "role": "writer"}, "body.role")):
+    for body, field in (
+        ({"name": "has space", "role": "viewer"}, "body.name"),
+        ({"name": "w", "role": "writer"}, "body.role"),
+    ):
         bad = client.post("/v1/tokens", json=body, headers=admin)
         assert bad.status_code == 422 and field in bad.json()["reason"], bad.json()
 
@@ -403,8 +479,13 @@ def test_token_lifecycle_through_the_api(engine, client, tokens):
 
     rows = audit_since(engine, before)
     assert [(r.action, r.success) for r in rows] == [
-        ("token.create", True), ("token.create", False), ("token.create", False), ("token.create", False),
-        ("token.revoke", True), ("token.revoke", False)]
+        ("token.create", True),
+        ("token.create", False),
+        ("token.create", False),
+        ("token.create", False),
+        ("token.revoke", True),
+        ("token.revoke", False),
+    ]
     assert all(r.actor == "token:admin" for r in rows)
     assert rows[0].target == f"api_key:{new['id']}" and rows[0].after["name"] == name
     assert rows[4].before["active"] is True and rows[4].after["active"] is False
@@ -427,7 +508,9 @@ def test_audit_log_filters(engine, client, tokens):
 
     page = client.get("/v1/audit", params={"action": "trainer.resume", "limit": 1}, headers=viewer).json()
     assert len(page["items"]) == 1 and page["items"][0]["action"] == "trainer.resume" and page["limit"] == 1
-    failed = client.get("/v1/audit", params={"success": "false", "actor": "token:viewer"}, headers=viewer).json()["items"]
+    failed = client.get("/v1/audit", params={"success": "false", "actor": "token:viewer"}, headers=viewer).json()[
+        "items"
+    ]
     assert failed and all(not i["success"] and i["actor"] == "token:viewer" for i in failed)
     assert failed[0]["action"] == "deploy.promote"  # newest first
     prefixed = client.get("/v1/audit", params={"action_prefix": "trainer."}, headers=viewer).json()["items"]
@@ -534,7 +617,6 @@ def test_generated_requests_to_every_operation_never_get_a_5xx_and_refusals_say_
     fault_figures(unit="requests", bad_inputs=seen["refused"], server_errors=seen["server_errors"])
     assert seen["server_errors"] == 0
     assert len(hit) >= len(operations) * 0.8, sorted(set((m, p) for m, p, _ in operations) - hit)
-
 
 
 def test_schemathesis_on_the_admin_api_finds_no_5xx_and_every_refusal_says_why(engine, fleet, tokens, fault_figures):

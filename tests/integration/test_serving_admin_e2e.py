@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from flywheel.auth import create_key
 from flywheel.cli import app as cli_app
 from flywheel.config import Settings, get_settings
@@ -57,8 +57,13 @@ def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Settings:
         tmp_path_factory.mktemp("admin-e2e"),
         vllm={"replicas": 2},
         postgres={"url": db_url},
-        serving={"fleet": "e2e", "refresh_s": 0.2, "drain_timeout_s": 20.0, "canary_replicas": 1,
-                 "admin_port": free_port()},
+        serving={
+            "fleet": "e2e",
+            "refresh_s": 0.2,
+            "drain_timeout_s": 20.0,
+            "canary_replicas": 1,
+            "admin_port": free_port(),
+        },
     )
 
 
@@ -70,8 +75,11 @@ def replicas(settings: Settings, base_model_dir: Path) -> Iterator[list[str]]:
         urls = [state.components[f"vllm-{i}"].where for i in range(2)]
         model = policy_version_of(base_model_dir)
         for url in urls:
-            warm = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 4},
-                              timeout=WARMUP_TIMEOUT_S)
+            warm = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": model, "prompt": "warm up", "max_tokens": 4},
+                timeout=WARMUP_TIMEOUT_S,
+            )
             warm.raise_for_status()
         yield urls
     finally:
@@ -91,17 +99,30 @@ def fleet(db_url, settings, replicas, base_model_dir, base_version, tmp_path_fac
     path = tmp_path_factory.mktemp("ckpt") / CANDIDATE
     shutil.copytree(base_model_dir, path)
     with Session(engine) as session:
-        session.add(Checkpoint(id=CANDIDATE, policy_version=CANDIDATE, parent_id=base_version,
-                               base_model=str(base_model_dir), path=str(path), format="full", status="candidate",
-                               status_reason="e2e test checkpoint"))
+        session.add(
+            Checkpoint(
+                id=CANDIDATE,
+                policy_version=CANDIDATE,
+                parent_id=base_version,
+                base_model=str(base_model_dir),
+                path=str(path),
+                format="full",
+                status="candidate",
+                status_reason="e2e test checkpoint",
+            )
+        )
         session.commit()
     return replicas
 
 
 @pytest.fixture(scope="module")
 def server(db_url: str, settings: Settings, fleet) -> Iterator[str]:
-    config = uvicorn.Config(create_app(settings, get_engine(db_url)), host="127.0.0.1",
-                            port=settings.serving.admin_port, log_level="warning")
+    config = uvicorn.Config(
+        create_app(settings, get_engine(db_url)),
+        host="127.0.0.1",
+        port=settings.serving.admin_port,
+        log_level="warning",
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -159,7 +180,9 @@ def test_deploy_weight_promote_and_rollback_through_the_cli_and_the_api(db_url, 
     assert versions(fleet) == [base_version, base_version]
 
     auth = {"Authorization": f"Bearer {ops_token}"}
-    answer = httpx.post(f"{server}/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.05}, headers=auth, timeout=900)
+    answer = httpx.post(
+        f"{server}/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.05}, headers=auth, timeout=900
+    )
     assert answer.status_code == 200, answer.text
     assert answer.json()["canary"]["checkpoint_id"] == CANDIDATE and answer.json()["actor"] == "token:ops"
     answer = httpx.post(f"{server}/v1/rollback", json={}, headers=auth, timeout=900)  # ends the canary
@@ -174,11 +197,20 @@ def test_deploy_weight_promote_and_rollback_through_the_cli_and_the_api(db_url, 
     assert {r["policy_version"] for r in fleet_now["replicas"]} == {CANDIDATE}
 
     with Session(get_engine(db_url)) as session:
-        rows = list(session.scalars(select(AuditLog).where(AuditLog.action.startswith("deploy.")).order_by(AuditLog.id)))
+        rows = list(
+            session.scalars(select(AuditLog).where(AuditLog.action.startswith("deploy.")).order_by(AuditLog.id))
+        )
     assert [(r.action, r.actor, r.success) for r in rows] == [
-        ("deploy.canary", "token:ops", True), ("deploy.weight", "token:ops", True),
-        ("deploy.promote", "token:ops", True), ("deploy.rollback", "token:ops", True),
-        ("deploy.canary", "token:ops", True), ("deploy.rollback", "token:ops", True),
-        ("deploy.rollback", "token:ops", True)]
+        ("deploy.canary", "token:ops", True),
+        ("deploy.weight", "token:ops", True),
+        ("deploy.promote", "token:ops", True),
+        ("deploy.rollback", "token:ops", True),
+        ("deploy.canary", "token:ops", True),
+        ("deploy.rollback", "token:ops", True),
+        ("deploy.rollback", "token:ops", True),
+    ]
     assert rows[2].details["reason"] == "non-inferior" and rows[2].details["token_id"]
-    assert rows[2].before["stable"]["checkpoint_id"] == base_version and rows[2].after["stable"]["checkpoint_id"] == CANDIDATE
+    assert (
+        rows[2].before["stable"]["checkpoint_id"] == base_version
+        and rows[2].after["stable"]["checkpoint_id"] == CANDIDATE
+    )

@@ -110,8 +110,9 @@ def admin_token(db_url: str, server: str) -> str:
 
 @pytest.fixture(scope="module")
 def ops_token(admin_token: str, server: str) -> str:
-    result = flywheel("tokens", "create", "--name", "ops", "--role", "operator", "--url", server,
-                      env={"FLYWHEEL_TOKEN": admin_token})
+    result = flywheel(
+        "tokens", "create", "--name", "ops", "--role", "operator", "--url", server, env={"FLYWHEEL_TOKEN": admin_token}
+    )
     assert result.exit_code == 0, result.output
     assert "store it now" in result.stderr
     return result.stdout.strip()
@@ -142,8 +143,17 @@ def test_tokens_list_create_revoke(server, admin_token, ops_token):
 
 def test_checkpoints_list_and_show(db_url, server, ops_token):
     with Session(get_engine(db_url)) as session:
-        session.add(Checkpoint(id="ck-cli", policy_version="ck-cli", base_model="/m", path="/m", format="full",
-                               status="candidate", eval={"heldout": {"k": {"success_rate": 0.375, "n": 8}}}))
+        session.add(
+            Checkpoint(
+                id="ck-cli",
+                policy_version="ck-cli",
+                base_model="/m",
+                path="/m",
+                format="full",
+                status="candidate",
+                eval={"heldout": {"k": {"success_rate": 0.375, "n": 8}}},
+            )
+        )
         session.commit()
     env = {"FLYWHEEL_TOKEN": ops_token}
     listed = flywheel("checkpoints", "--url", server, env=env)  # no subcommand: list
@@ -182,8 +192,17 @@ def test_canary_and_viewer_refusal(server, admin_token, ops_token, db_url):
     assert resumed.exit_code == 0 and "canary controller: running" in resumed.output
     assert [r.actor for r in audit(db_url, "canary.pause")] == ["token:ops"]
 
-    created = flywheel("tokens", "create", "--name", "watcher", "--role", "viewer", "--url", server,
-                       env={"FLYWHEEL_TOKEN": admin_token})
+    created = flywheel(
+        "tokens",
+        "create",
+        "--name",
+        "watcher",
+        "--role",
+        "viewer",
+        "--url",
+        server,
+        env={"FLYWHEEL_TOKEN": admin_token},
+    )
     viewer = {"FLYWHEEL_TOKEN": created.stdout.strip()}
     refused = flywheel("canary", "pause", "--url", server, env=viewer)
     assert refused.exit_code == 1 and "HTTP 403 forbidden: this route needs the operator role" in refused.output
@@ -212,8 +231,9 @@ def test_audit_command(server, ops_token):
 def test_the_installed_console_script(server, ops_token):
     env = {**os.environ, "FLYWHEEL_TOKEN": ops_token, "FLYWHEEL_SERVING__ADMIN_URL": server}
     script = Path(sys.executable).with_name("flywheel")
-    result = subprocess.run([str(script), "checkpoints", "list", "--json"], env=env, capture_output=True, text=True,
-                            timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [str(script), "checkpoints", "list", "--json"], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
     assert '"total"' in result.stdout
 
@@ -225,8 +245,14 @@ def test_flywheel_serving_admin_serves_the_api(db_url, ops_token):
     port = free_port()
     env = {**os.environ, "FLYWHEEL_POSTGRES__URL": db_url, "FLYWHEEL_ENVIRONMENT": "test"}
     script = Path(sys.executable).with_name("flywheel-serving")
-    proc = subprocess.Popen([str(script), "admin", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(script), "admin", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -45,7 +45,9 @@ def engine(db_url: str):
 
 @pytest.fixture
 def settings(db_url: str, tmp_path: Path) -> Settings:
-    return Settings(environment="test", run_dir=tmp_path, postgres={"url": db_url}, serving={"fleet": FLEET, "canary_replicas": 1})
+    return Settings(
+        environment="test", run_dir=tmp_path, postgres={"url": db_url}, serving={"fleet": FLEET, "canary_replicas": 1}
+    )
 
 
 @pytest.fixture
@@ -82,7 +84,9 @@ def fleet(engine, settings, base_model_dir: Path, dead_urls: list[str]) -> Itera
 
 def deployments(engine) -> list[tuple[str, str, str]]:
     with Session(engine) as session:
-        return [(d.role, d.checkpoint_id, d.status) for d in session.scalars(select(Deployment).order_by(Deployment.id))]
+        return [
+            (d.role, d.checkpoint_id, d.status) for d in session.scalars(select(Deployment).order_by(Deployment.id))
+        ]
 
 
 def last_audit(engine) -> AuditLog:
@@ -90,7 +94,9 @@ def last_audit(engine) -> AuditLog:
         return session.scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(1)).one()
 
 
-def test_ensure_fleet_records_an_unreachable_replica_as_failed(engine, settings, base_model_dir, dead_urls, unused_port):
+def test_ensure_fleet_records_an_unreachable_replica_as_failed(
+    engine, settings, base_model_dir, dead_urls, unused_port
+):
     url = f"http://127.0.0.1:{unused_port()}"
     with Session(engine) as session:
         session.execute(delete(Replica))
@@ -117,14 +123,21 @@ def test_ensure_fleet_records_an_unreachable_replica_as_failed(engine, settings,
         ("good", 1.5, "invalid", "outside (0, 1]"),
     ],
 )
-def test_deploy_canary_refuses_bad_requests_without_changing_anything(engine, settings, fleet, checkpoint, weight, kind, words):
+def test_deploy_canary_refuses_bad_requests_without_changing_anything(
+    engine, settings, fleet, checkpoint, weight, kind, words
+):
     before = deployments(engine)
     with pytest.raises(DeployError) as refused:
         deploy_canary(engine, settings, checkpoint, weight, "ops:test")
     assert refused.value.kind == kind and words in refused.value.message
     assert deployments(engine) == before
     audit = last_audit(engine)
-    assert (audit.action, audit.actor, audit.success, audit.details["error"]) == ("deploy.canary", "ops:test", False, kind)
+    assert (audit.action, audit.actor, audit.success, audit.details["error"]) == (
+        "deploy.canary",
+        "ops:test",
+        False,
+        kind,
+    )
     assert audit.target == f"fleet:{FLEET}" and audit.details["checkpoint_id"] == checkpoint
 
 
@@ -184,9 +197,18 @@ def test_set_canary_weight_changes_only_the_weight(engine, settings, fleet):
         session.add(Deployment(fleet=FLEET, checkpoint_id="good", role="canary", weight=0.05, status="active"))
         session.commit()
     out = set_canary_weight(engine, settings, 0.25, "canary-controller", details={"step": 2, "n": 140})
-    assert (out["canary"]["weight"], out["canary"]["status"], out["canary"]["checkpoint_id"]) == (0.25, "active", "good")
+    assert (out["canary"]["weight"], out["canary"]["status"], out["canary"]["checkpoint_id"]) == (
+        0.25,
+        "active",
+        "good",
+    )
     audit = last_audit(engine)
-    assert (audit.action, audit.success, audit.details["previous_weight"], audit.details["n"]) == ("deploy.weight", True, 0.05, 140)
+    assert (audit.action, audit.success, audit.details["previous_weight"], audit.details["n"]) == (
+        "deploy.weight",
+        True,
+        0.05,
+        140,
+    )
     assert (audit.before["canary"]["weight"], audit.after["canary"]["weight"]) == (0.05, 0.25)
     assert fleet_status(engine, FLEET).canary.weight == 0.25
 

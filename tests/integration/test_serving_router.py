@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from sqlalchemy import Engine, delete, update
 from sqlalchemy.orm import Session
 
-from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from flywheel.config import Settings
 from flywheel.db import migrate
 from flywheel.db.engine import get_engine
@@ -137,7 +137,13 @@ def configure(fleet: Fleet, versions: list[str], canary_weight: float | None, st
 
 def router_settings(fleet: Fleet) -> Settings:
     serving = fleet.settings.serving.model_copy(
-        update={"fleet": FLEET, "refresh_s": 0.2, "health_interval_s": 0.3, "health_timeout_s": 2.0, "eject_after_failures": 2}
+        update={
+            "fleet": FLEET,
+            "refresh_s": 0.2,
+            "health_interval_s": 0.3,
+            "health_timeout_s": 2.0,
+            "eject_after_failures": 2,
+        }
     )
     return fleet.settings.model_copy(update={"serving": serving})
 
@@ -246,11 +252,18 @@ def test_sessions_stay_on_one_version_at_half_canary(fleet: Fleet) -> None:
             for turn in range(4):
                 if i % 2:  # half the sessions identify themselves by the header, half by the body's user
                     raw = client.completions.with_raw_response.create(
-                        model=fleet.base_version, prompt=f"{turn}+1=", max_tokens=2, extra_headers={"x-flywheel-session-id": sid})
+                        model=fleet.base_version,
+                        prompt=f"{turn}+1=",
+                        max_tokens=2,
+                        extra_headers={"x-flywheel-session-id": sid},
+                    )
                 else:  # any served name will do: the router rewrites it for the replica it picks
                     raw = client.completions.with_raw_response.create(
-                        model=CANARY, prompt=f"{turn}+1=", max_tokens=2, user=sid)
-                seen.setdefault(sid, set()).add((raw.headers["x-flywheel-policy-version"], raw.headers["x-flywheel-replica"]))
+                        model=CANARY, prompt=f"{turn}+1=", max_tokens=2, user=sid
+                    )
+                seen.setdefault(sid, set()).add(
+                    (raw.headers["x-flywheel-policy-version"], raw.headers["x-flywheel-replica"])
+                )
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(session_run, range(40)))
@@ -267,7 +280,11 @@ def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
         wait_for(lambda: routable_urls(rt.router) == {fleet.urls[0]}, 20, "the serving replica routable")
         replicas = Counter()
         for i in range(20):
-            r = httpx.post(f"{rt.url}/v1/completions", json={"model": fleet.base_version, "prompt": f"{i}", "max_tokens": 2}, timeout=60)
+            r = httpx.post(
+                f"{rt.url}/v1/completions",
+                json={"model": fleet.base_version, "prompt": f"{i}", "max_tokens": 2},
+                timeout=60,
+            )
             assert r.status_code == 200
             replicas[r.headers["x-flywheel-replica"]] += 1
         assert replicas == {fleet.urls[0]: 20}
@@ -303,7 +320,10 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         def load() -> None:
             with httpx.Client(timeout=120) as http:
                 while not stop.is_set():
-                    r = http.post(f"{rt.url}/v1/completions", json={"model": fleet.base_version, "prompt": "3+4=", "max_tokens": 16})
+                    r = http.post(
+                        f"{rt.url}/v1/completions",
+                        json={"model": fleet.base_version, "prompt": "3+4=", "max_tokens": 16},
+                    )
                     results.append((time.monotonic(), r.status_code, r.headers.get("x-flywheel-replica")))
 
         workers = [threading.Thread(target=load) for _ in range(6)]
@@ -349,14 +369,17 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         warm(victim, fleet.base_version)
         wait_for(lambda: victim in routable_urls(rt.router), 30, "the restarted replica back in rotation")
         served = Counter(
-            httpx.post(f"{rt.url}/v1/completions", json={"model": fleet.base_version, "prompt": "1", "max_tokens": 2},
-                       timeout=60).headers["x-flywheel-replica"]  # fmt: skip
+            httpx.post(
+                f"{rt.url}/v1/completions",
+                json={"model": fleet.base_version, "prompt": "1", "max_tokens": 2},
+                timeout=60,
+            ).headers["x-flywheel-replica"]  # fmt: skip
             for _ in range(30)
         )
         assert served[victim] > 0 and rt.router.metrics.rejoins.labels(victim)._value.get() >= 1
 
 
-def _router_process(fleet: Fleet, port: int, log_path: Path) -> "subprocess.Popen[bytes]":
+def _router_process(fleet: Fleet, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """The router as its own process (``flywheel-serving router``), configured through the environment."""
     import subprocess
     import sys
@@ -386,7 +409,9 @@ def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(
 
     def ready() -> bool:
         try:
-            r = httpx.post(f"{url}/v1/completions", json={"model": fleet.base_version, "prompt": "1", "max_tokens": 1}, timeout=5)
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": fleet.base_version, "prompt": "1", "max_tokens": 1}, timeout=5
+            )
             return r.status_code == 200
         except httpx.HTTPError:
             return False
@@ -404,7 +429,11 @@ def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(
             sid = f"kill-{i}-{turn // 3}"  # three requests per session, then a new session
             try:
                 raw = client.completions.with_raw_response.create(
-                    model=fleet.base_version, prompt=f"{turn}+1=", max_tokens=4, extra_headers={"x-flywheel-session-id": sid})
+                    model=fleet.base_version,
+                    prompt=f"{turn}+1=",
+                    max_tokens=4,
+                    extra_headers={"x-flywheel-session-id": sid},
+                )
                 seen.setdefault(sid, []).append(raw.headers["x-flywheel-policy-version"])
                 answered["before" if router_generation[0] == 1 else "after"] += 1
             except openai.OpenAIError as err:  # after every retry: a lost request

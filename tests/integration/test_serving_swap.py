@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import WARMUP_TIMEOUT_S, make_settings
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from conftest import WARMUP_TIMEOUT_S, make_settings
 from flywheel.config import Settings
 from flywheel.db import migrate
 from flywheel.db.engine import get_engine
@@ -82,7 +82,11 @@ def fleet(settings: Settings, base_model_dir: Path) -> Iterator[list[str]]:
         urls = [state.components[f"vllm-{i}"].where for i in range(2)]
         model = policy_version_of(base_model_dir)
         for url in urls:
-            warm = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 4}, timeout=WARMUP_TIMEOUT_S)
+            warm = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": model, "prompt": "warm up", "max_tokens": 4},
+                timeout=WARMUP_TIMEOUT_S,
+            )
             warm.raise_for_status()
         yield urls
     finally:
@@ -193,7 +197,9 @@ def clean_fleet(engine, settings, fleet, checkpoints, base_model_dir: Path, base
         session.execute(delete(Deployment))
         session.execute(delete(AuditLog))
         session.execute(
-            update(Checkpoint).where(Checkpoint.id.in_((PERTURBED, TRUNCATED, POISONED, ADAPTER))).values(status="candidate", last_deployed_at=None)
+            update(Checkpoint)
+            .where(Checkpoint.id.in_((PERTURBED, TRUNCATED, POISONED, ADAPTER)))
+            .values(status="candidate", last_deployed_at=None)
         )
         session.commit()
     ensure_fleet(engine, settings, fleet, model_dir=base_model_dir)
@@ -204,7 +210,14 @@ def clean_fleet(engine, settings, fleet, checkpoints, base_model_dir: Path, base
 
 
 def greedy(url: str, model: str) -> list[int]:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
@@ -243,7 +256,7 @@ class MiniRouter:
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
 
-    def __enter__(self) -> "MiniRouter":
+    def __enter__(self) -> MiniRouter:
         for t in self.threads:
             t.start()
         return self
@@ -280,7 +293,9 @@ class MiniRouter:
 # --------------------------------------------------------------------------- tests
 
 
-def test_ensure_fleet_registers_the_base_as_stable_and_is_idempotent(engine, settings, fleet, base_version, base_model_dir):
+def test_ensure_fleet_registers_the_base_as_stable_and_is_idempotent(
+    engine, settings, fleet, base_version, base_model_dir
+):
     status = fleet_status(engine, settings.serving.fleet)
     assert status.stable is not None and status.canary is None
     assert (status.stable.checkpoint_id, status.stable.policy_version) == (base_version, base_version)
@@ -367,7 +382,11 @@ def test_failed_verification_reverts_the_replica_and_fails_the_canary(engine, se
     assert [(d.status, d.checkpoint_id) for d in canary] == [("failed", PERTURBED)]
     assert "injected" in canary[0].reason and canary[0].ended_at is not None
     rows = replica_rows(engine)
-    assert (rows[url].state, rows[url].policy_version, rows[url].checkpoint_id) == ("serving", base_version, base_version)
+    assert (rows[url].state, rows[url].policy_version, rows[url].checkpoint_id) == (
+        "serving",
+        base_version,
+        base_version,
+    )
     assert "reverted to" in rows[url].reason
     for u in fleet:
         assert vllm_admin.weight_info(u) == base_version
@@ -409,7 +428,11 @@ def test_canary_promote_then_rollback_to_the_previous_stable(engine, settings, f
     assert statuses[first_stable] == ("stable", "superseded")
 
     out = rollback(engine, settings, "ops:bob", details={"reason": "user complaints"})
-    assert (out["stable"]["checkpoint_id"], out["stable"]["status"], out["stable"]["weight"]) == (base_version, "active", 1.0)
+    assert (out["stable"]["checkpoint_id"], out["stable"]["status"], out["stable"]["weight"]) == (
+        base_version,
+        "active",
+        1.0,
+    )
     assert [vllm_admin.weight_info(u) for u in fleet] == [base_version, base_version]
     assert [s["url"] for s in out["swaps"]] == fleet
     statuses = {d.id: (d.role, d.status) for d in deployment_rows(engine)}
@@ -447,7 +470,9 @@ def test_canary_rollback_returns_its_replica_to_the_stable(engine, settings, fle
 
 
 def test_a_full_weight_canary_never_takes_every_replica(engine, settings, fleet, base_version):
-    greedy_settings = settings.model_copy(update={"serving": settings.serving.model_copy(update={"canary_replicas": 2})})
+    greedy_settings = settings.model_copy(
+        update={"serving": settings.serving.model_copy(update={"canary_replicas": 2})}
+    )
     with pytest.raises(DeployError) as refused:
         deploy_canary(engine, greedy_settings, PERTURBED, 0.1, "ops:test")
     assert refused.value.kind == "conflict" and "would leave no stable replica" in refused.value.message
@@ -499,7 +524,9 @@ def test_reconcile_swaps_a_restarted_replica_back_to_its_deployment(engine, sett
     assert vllm_admin.weight_info(canary_url) == base_version
 
     results = reconcile(engine, settings)
-    assert [(r.url, r.ok, r.from_version, r.to_version) for r in results] == [(canary_url, True, base_version, PERTURBED)]
+    assert [(r.url, r.ok, r.from_version, r.to_version) for r in results] == [
+        (canary_url, True, base_version, PERTURBED)
+    ]
     assert vllm_admin.weight_info(canary_url) == PERTURBED and vllm_admin.weight_info(fleet[0]) == base_version
     row = replica_rows(engine)[canary_url]
     assert (row.state, row.checkpoint_id, row.deployment_id) == ("serving", PERTURBED, out["canary"]["id"])
@@ -520,7 +547,9 @@ def test_a_checkpoint_with_nan_weights_is_refused_before_the_replica_is_touched(
     verify_replica(url, base_version, base_version, get_strategy("full"), base)  # still answering
 
 
-def test_verification_resumes_a_replica_left_paused_and_then_passes(engine, settings, fleet, base_version, monkeypatch, caplog):
+def test_verification_resumes_a_replica_left_paused_and_then_passes(
+    engine, settings, fleet, base_version, monkeypatch, caplog
+):
     # a held request on a paused scheduler never answers: verification must notice, resume and ask again
     import serving.swap
 
@@ -536,7 +565,9 @@ def test_verification_resumes_a_replica_left_paused_and_then_passes(engine, sett
     assert "verification completion timed out (attempt 1 of 3, paused: True)" in caplog.text
 
 
-def test_a_revert_that_does_not_verify_marks_the_replica_failed_and_reconcile_recovers_it(engine, settings, fleet, base_version):
+def test_a_revert_that_does_not_verify_marks_the_replica_failed_and_reconcile_recovers_it(
+    engine, settings, fleet, base_version
+):
     url = fleet[1]
 
     def refuse_everything(url_, expected, model, strategy, target):
@@ -562,8 +593,14 @@ def test_lora_canary_shares_the_replicas_then_promotes_and_rolls_back(engine, se
         deploy_canary(engine, lora, PERTURBED, 0.1, "ops:test")
 
     out = deploy_canary(engine, lora, ADAPTER, 0.2, "ops:test")
-    assert (out["canary"]["strategy"], out["canary"]["status"], out["canary"]["policy_version"]) == ("lora", "active", ADAPTER)
-    assert [(s["url"], s["ok"], s["pause_ms"], s["drain_ms"]) for s in out["swaps"]] == [(u, True, 0.0, 0.0) for u in fleet]
+    assert (out["canary"]["strategy"], out["canary"]["status"], out["canary"]["policy_version"]) == (
+        "lora",
+        "active",
+        ADAPTER,
+    )
+    assert [(s["url"], s["ok"], s["pause_ms"], s["drain_ms"]) for s in out["swaps"]] == [
+        (u, True, 0.0, 0.0) for u in fleet
+    ]
     for url in fleet:
         models = {m["id"]: m.get("parent") for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert models[ADAPTER] == base_version  # the adapter is served beside the base, on every replica

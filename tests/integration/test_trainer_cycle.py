@@ -21,13 +21,12 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, select, text
+from test_trainer_rollouts import insert_rows, sample_rows
 
 from flywheel.config import Settings, get_settings
 from flywheel.db import migrate
 from flywheel.db.models import Checkpoint, TrainingCycle
 from flywheel.stack import endpoints
-
-from test_trainer_rollouts import insert_rows, sample_rows
 
 pytestmark = pytest.mark.integration
 
@@ -69,13 +68,19 @@ def db_url(pg_url: str) -> Iterator[str]:
     endpoints.drop_database(url)
 
 
-def make_settings(db_url: str, base_model_dir: Path, tmp_path: Path, redis_url: str | None = None, **trainer: Any) -> Settings:
+def make_settings(
+    db_url: str, base_model_dir: Path, tmp_path: Path, redis_url: str | None = None, **trainer: Any
+) -> Settings:
     """Settings for one test: its database, checkpoint folder, queue and fast training."""
-    fields = FAST | {
-        "checkpoint_dir": tmp_path / "checkpoints",
-        "metrics_textfile": tmp_path / "trainer.prom",
-        "queue": f"trainer-test-{uuid.uuid4().hex[:8]}",
-    } | trainer
+    fields = (
+        FAST
+        | {
+            "checkpoint_dir": tmp_path / "checkpoints",
+            "metrics_textfile": tmp_path / "trainer.prom",
+            "queue": f"trainer-test-{uuid.uuid4().hex[:8]}",
+        }
+        | trainer
+    )
     return Settings(
         environment="test",
         run_dir=tmp_path / "run",
@@ -155,7 +160,17 @@ def test_cycle_on_real_samples_trains_a_checkpoint(db_url, base_model_dir, score
     assert any(not (before[k] == after[k]).all() for k in before)
     assert sidecar.metrics["loss_after"] < sidecar.metrics["loss_before"]
     step = sidecar.steps[0]
-    for key in ("loss", "reward_mean", "adv_mean", "adv_std", "ratio_mean", "ratio_max", "clip_frac", "kl", "tokens_per_s"):
+    for key in (
+        "loss",
+        "reward_mean",
+        "adv_mean",
+        "adv_std",
+        "ratio_mean",
+        "ratio_max",
+        "clip_frac",
+        "kl",
+        "tokens_per_s",
+    ):
         assert key in step
     assert abs(step["ratio_mean"] - 1.0) < 0.05  # on-policy data: ratios start at 1
     assert "passed" in ckpt.status_reason or "regressed" in ckpt.status_reason
@@ -234,10 +249,21 @@ def test_lora_cycle_writes_an_adapter(db_url, base_model_dir, scored_rows, tmp_p
 
 
 def start_worker(settings: Settings, log: Path, pool: str = "solo", concurrency: int = 1) -> subprocess.Popen:
-    command = [sys.executable, "-m", "trainer.main", "worker", "--pool", pool, "--concurrency", str(concurrency),
-               "--loglevel", "INFO"]
-    return subprocess.Popen(command, env=env_of(settings), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "worker",
+        "--pool",
+        pool,
+        "--concurrency",
+        str(concurrency),
+        "--loglevel",
+        "INFO",
+    ]
+    return subprocess.Popen(
+        command, env=env_of(settings), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def stop(proc: subprocess.Popen, settings: Settings) -> None:
@@ -263,10 +289,14 @@ def client(settings: Settings) -> Any:
 
 
 def send(settings: Settings, key: str) -> Any:
-    return client(settings).send_task(TASK, kwargs={"trigger": "manual", "idempotency_key": key}, queue=settings.trainer.queue)
+    return client(settings).send_task(
+        TASK, kwargs={"trigger": "manual", "idempotency_key": key}, queue=settings.trainer.queue
+    )
 
 
-def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> Any:
+def wait_for(
+    predicate: Any, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -297,7 +327,9 @@ def test_two_concurrent_triggers_produce_one_cycle(db_url, base_model_dir, score
     assert len(trained) == 1
 
 
-def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(db_url, base_model_dir, scored_rows, tmp_path, redis_url):
+def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(
+    db_url, base_model_dir, scored_rows, tmp_path, redis_url
+):
     from trainer.cycle import run_cycle
 
     insert_rows(db_url, scored_rows)

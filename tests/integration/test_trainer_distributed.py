@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_trainer_rollouts import sample_rows
 
 pytestmark = pytest.mark.integration
@@ -35,12 +34,16 @@ def batch(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
         [AdvInput(r["session_id"], r["group_key"], r["task"], r["reward"]) for r in rows], AdvantageConfig()
     )
     samples = [
-        StepSample(i, r["prompt_token_ids"], r["completion_token_ids"], r["loss_mask"], r["behaviour_logprobs"], a, r["reward"])
+        StepSample(
+            i, r["prompt_token_ids"], r["completion_token_ids"], r["loss_mask"], r["behaviour_logprobs"], a, r["reward"]
+        )
         for i, (r, a) in enumerate(zip(rows, adv.advantages))
     ]
     version = read_sidecar(base_model_dir).policy_version
     parent = PolicyRef(version, version, str(base_model_dir), "full", str(base_model_dir))
-    settings = TrainerSettings(learning_rate=1e-3, mini_batch_samples=8, epochs=1, show_progress=False, micro_batch_tokens=400)
+    settings = TrainerSettings(
+        learning_rate=1e-3, mini_batch_samples=8, epochs=1, show_progress=False, micro_batch_tokens=400
+    )
     path = tmp_path_factory.mktemp("dist") / "batch.pt"
     write_batch(path, parent, samples, settings)
     return path, samples
@@ -48,8 +51,20 @@ def batch(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 def torchrun(batch_path: Path, out: Path, strategy: str) -> list[dict]:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "trainer.distributed", "--batch", str(batch_path), "--out", str(out), "--strategy", strategy,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "trainer.distributed",
+        "--batch",
+        str(batch_path),
+        "--out",
+        str(out),
+        "--strategy",
+        strategy,
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -68,7 +83,9 @@ def single_process(batch_path: Path) -> tuple[dict, float]:
     payload = torch.load(batch_path, weights_only=False)
     settings = TrainerSettings.model_validate(payload["settings"])
     model, tokenizer, _ = load_trainable(PolicyRef(**payload["parent"]), "full", lora_spec(settings), settings.seed)
-    result = train_on_batch(model, [StepSample(**s) for s in payload["samples"]], step_config(settings), tokenizer.pad_token_id)
+    result = train_on_batch(
+        model, [StepSample(**s) for s in payload["samples"]], step_config(settings), tokenizer.pad_token_id
+    )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, result.loss_after
 
 

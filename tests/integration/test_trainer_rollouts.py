@@ -73,7 +73,9 @@ def sample_rows(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         while active := [r for r in rollouts if not r.episode.done]:
-            for r, new, logps in zip(active, *generate(model, [r.context for r in active], eot, tokenizer.pad_token_id, max_new_tokens)):
+            for r, new, logps in zip(
+                active, *generate(model, [r.context for r in active], eot, tokenizer.pad_token_id, max_new_tokens)
+            ):
                 r.completion_ids += new
                 r.loss_mask += [1] * len(new)
                 r.logprobs += logps
@@ -84,7 +86,12 @@ def sample_rows(
                 text = tokenizer.decode(new, skip_special_tokens=True)
                 arith.advance_episode(r.episode, text)
                 if r.episode.messages[-1]["role"] == "tool" and not r.episode.done:
-                    tail = [tool_id, *tokenizer.encode(r.episode.messages[-1]["content"], add_special_tokens=False), eot, assistant_id]
+                    tail = [
+                        tool_id,
+                        *tokenizer.encode(r.episode.messages[-1]["content"], add_special_tokens=False),
+                        eot,
+                        assistant_id,
+                    ]
                     r.completion_ids += tail
                     r.loss_mask += [0] * len(tail)
                     r.logprobs += [0.0] * len(tail)
@@ -119,13 +126,21 @@ def generate(
     input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
     attention = torch.zeros((len(contexts), width), dtype=torch.long)
     for i, c in enumerate(contexts):
-        input_ids[i, width - len(c):] = torch.tensor(c)
-        attention[i, width - len(c):] = 1
+        input_ids[i, width - len(c) :] = torch.tensor(c)
+        attention[i, width - len(c) :] = 1
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=True,
-            temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eot, pad_token_id=pad,
-            output_scores=True, return_dict_in_generate=True,
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=eot,
+            pad_token_id=pad,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
     new = out.sequences[:, width:]
     logps = torch.stack(out.scores, dim=1).log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)
@@ -147,15 +162,24 @@ def insert_rows(url: str, rows: list[dict[str, Any]], project: str = PROJECT) ->
         for row in rows:
             session_id = f"{row['session_id']}-{uuid.uuid4().hex[:8]}"
             reward = Reward(
-                project=project, session_id=session_id, version=1, reward=row["reward"],
-                components=row["components"], extractor_versions={"outcome": "1"}, config_hash="test",
+                project=project,
+                session_id=session_id,
+                version=1,
+                reward=row["reward"],
+                components=row["components"],
+                extractor_versions={"outcome": "1"},
+                config_hash="test",
                 policy_version=row["policy_version"],
             )
             session.add(reward)
             session.flush()
             sample = TrainingSample(
-                project=project, session_id=session_id, completion_id=uuid.uuid4(), reward_id=reward.id,
-                reward_version=1, **{k: v for k, v in row.items() if k != "session_id"},
+                project=project,
+                session_id=session_id,
+                completion_id=uuid.uuid4(),
+                reward_id=reward.id,
+                reward_version=1,
+                **{k: v for k, v in row.items() if k != "session_id"},
             )
             session.add(sample)
             session.flush()
@@ -181,7 +205,15 @@ def test_rollout_logprobs_give_unit_ratios_under_the_same_policy(base_model_dir)
     assert any(0 in r["loss_mask"] for r in rows), "expected at least one tool call with masked tool tokens"
     model, tokenizer = load_policy(base_model_dir)
     samples = [
-        StepSample(i, r["prompt_token_ids"], r["completion_token_ids"], r["loss_mask"], r["behaviour_logprobs"], 0.0, r["reward"])
+        StepSample(
+            i,
+            r["prompt_token_ids"],
+            r["completion_token_ids"],
+            r["loss_mask"],
+            r["behaviour_logprobs"],
+            0.0,
+            r["reward"],
+        )
         for i, r in enumerate(rows)
     ]
     batches = micro_batches(samples, StepConfig(), tokenizer.pad_token_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from flywheel.config import CanarySettings
 from flywheel.db.models import AuditLog
@@ -10,7 +10,7 @@ from serving.canary.controller import hold_worth_logging, reason_kind
 from serving.canary.policy import Observations, decide
 from serving.canary.stats import ArmStats
 
-NOW = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 SETTINGS = CanarySettings()
 
 

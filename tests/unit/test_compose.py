@@ -30,8 +30,17 @@ def _click_command(script: str):
 
 
 def test_our_services_exist():
-    assert {"migrate", "ingest-consumer", "ingest-gateway", "rewarding", "trainer-worker", "trainer-beat",
-            "router", "admin-api", "canary-controller"} <= set(OURS)
+    assert {
+        "migrate",
+        "ingest-consumer",
+        "ingest-gateway",
+        "rewarding",
+        "trainer-worker",
+        "trainer-beat",
+        "router",
+        "admin-api",
+        "canary-controller",
+    } <= set(OURS)
 
 
 def _published(svc) -> list[str]:

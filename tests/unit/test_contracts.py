@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
@@ -76,8 +76,13 @@ def test_round_trip(event):
 
 
 def _base(**fields):
-    data = {"schema_version": 1, "event_id": str(uuid7()), **ENV, "type": "turn",
-            "messages": [{"role": "user", "content": "x"}]}
+    data = {
+        "schema_version": 1,
+        "event_id": str(uuid7()),
+        **ENV,
+        "type": "turn",
+        "messages": [{"role": "user", "content": "x"}],
+    }
     data.update(fields)
     return data
 
@@ -95,7 +100,7 @@ def _base(**fields):
         (_base(messages=[{"role": "robot"}]), "messages.0.role", "Input should be"),
         (_base(messages=[]), "", "at least one of"),
         (_base(occurred_at="2020-01-01T00:00:00"), "occurred_at", "timezone"),
-        (_base(occurred_at=(datetime.now(timezone.utc) + timedelta(days=2)).isoformat()), "occurred_at", "future"),
+        (_base(occurred_at=(datetime.now(UTC) + timedelta(days=2)).isoformat()), "occurred_at", "future"),
         (_base(occurred_at="1999-01-01T00:00:00Z"), "occurred_at", "clock error"),
         (_base(surprise=1), "surprise", "Extra inputs"),
         (_base(type="feedback", kind="score", messages=None), "messages", "Extra inputs"),
@@ -105,14 +110,28 @@ def _base(**fields):
             "required when kind is 'score'",
         ),
         (
-            {"schema_version": 1, **ENV, "type": "completion", "model": "m", "policy_version": "v",
-             "completion_token_ids": [1, 2], "logprobs": [-0.1]},
+            {
+                "schema_version": 1,
+                **ENV,
+                "type": "completion",
+                "model": "m",
+                "policy_version": "v",
+                "completion_token_ids": [1, 2],
+                "logprobs": [-0.1],
+            },
             "logprobs",
             "1 values for 2",
         ),
         (
-            {"schema_version": 1, **ENV, "type": "completion", "model": "m", "policy_version": "v",
-             "completion_token_ids": [1], "logprobs": [0.5]},
+            {
+                "schema_version": 1,
+                **ENV,
+                "type": "completion",
+                "model": "m",
+                "policy_version": "v",
+                "completion_token_ids": [1],
+                "logprobs": [0.5],
+            },
             "logprobs",
             "<= 0",
         ),
@@ -144,7 +163,7 @@ def test_uuid7_is_version_7_and_monotonic():
     assert all(i.version == 7 for i in ids)
     assert ids == sorted(ids)
     assert len(set(ids)) == len(ids)
-    now_ms = datetime.now(timezone.utc).timestamp() * 1000
+    now_ms = datetime.now(UTC).timestamp() * 1000
     assert abs(uuid7_time_ms(ids[-1]) - now_ms) < 5_000
 
 
@@ -155,11 +174,28 @@ def test_committed_json_schema_is_current():
 @settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(
-        st.sampled_from(["schema_version", "type", "project", "session_id", "event_id", "kind", "messages",
-                         "logprobs", "completion_token_ids", "model", "policy_version", "value", "name"]),
-        st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                     max_leaves=10),
+        st.sampled_from(
+            [
+                "schema_version",
+                "type",
+                "project",
+                "session_id",
+                "event_id",
+                "kind",
+                "messages",
+                "logprobs",
+                "completion_token_ids",
+                "model",
+                "policy_version",
+                "value",
+                "name",
+            ]
+        ),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+            max_leaves=10,
+        ),
     )
 )
 def test_arbitrary_records_are_accepted_or_rejected_cleanly(record):
@@ -237,9 +273,29 @@ def _either(text: str):
 @settings(max_examples=300, deadline=None)
 @given(
     st.sampled_from([dump_event(e).decode() for e in examples()]),
-    st.sampled_from(["schema_version", "type", "project", "session_id", "event_id", "occurred_at", "kind",
-                     "messages", "logprobs", "completion_token_ids", "value", "name", "role", "status"]),
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+    st.sampled_from(
+        [
+            "schema_version",
+            "type",
+            "project",
+            "session_id",
+            "event_id",
+            "occurred_at",
+            "kind",
+            "messages",
+            "logprobs",
+            "completion_token_ids",
+            "value",
+            "name",
+            "role",
+            "status",
+        ]
+    ),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
     | st.lists(st.integers(), max_size=2),
 )
 def test_the_fast_path_decides_exactly_as_the_careful_one(text, name, value):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from fastapi import FastAPI
@@ -15,7 +15,14 @@ from fastapi.testclient import TestClient
 from flywheel.config import CanarySettings, KafkaSettings, ServingSettings, Settings
 from serving.canary.policy import Observations, decide
 from serving.canary.stats import ArmStats
-from serving.dashboard import DATA_PATH, PUBLIC_PATHS, STATIC_DIR, check_dashboard_routes, install_dashboard, plotly_js_path
+from serving.dashboard import (
+    DATA_PATH,
+    PUBLIC_PATHS,
+    STATIC_DIR,
+    check_dashboard_routes,
+    install_dashboard,
+    plotly_js_path,
+)
 from serving.dashboard.api import KafkaLagProbe, _comparison, traffic
 
 
@@ -26,19 +33,30 @@ def closed_port() -> int:
 
 
 def deployment(role: str, version: str, weight: float, status: str = "active") -> dict:
-    return {"id": 1, "role": role, "policy_version": version, "checkpoint_id": version, "weight": weight, "status": status}
+    return {
+        "id": 1,
+        "role": role,
+        "policy_version": version,
+        "checkpoint_id": version,
+        "weight": weight,
+        "status": status,
+    }
 
 
 def test_traffic_gives_an_active_canary_its_weight_and_stable_the_rest():
     shares = traffic(deployment("stable", "v1", 1.0), deployment("canary", "v2", 0.25))
-    assert [(t["role"], t["policy_version"], t["weight"]) for t in shares] == [("stable", "v1", 0.75), ("canary", "v2", 0.25)]
+    assert [(t["role"], t["policy_version"], t["weight"]) for t in shares] == [
+        ("stable", "v1", 0.75),
+        ("canary", "v2", 0.25),
+    ]
 
 
 def test_a_pending_canary_gets_no_traffic_yet():
     shares = traffic(deployment("stable", "v1", 1.0), deployment("canary", "v2", 0.25, status="pending"))
     assert [t["weight"] for t in shares] == [1.0, 0.0]
     assert traffic(deployment("stable", "v1", 1.0), None) == [
-        {"role": "stable", "policy_version": "v1", "checkpoint_id": "v1", "weight": 1.0}]
+        {"role": "stable", "policy_version": "v1", "checkpoint_id": "v1", "weight": 1.0}
+    ]
 
 
 def arm(successes: int, n: int) -> ArmStats:
@@ -47,10 +65,20 @@ def arm(successes: int, n: int) -> ArmStats:
 
 def test_comparison_flattens_a_real_decision_with_the_configured_margins():
     cs = CanarySettings()
-    decision = decide(Observations(canary=arm(40, 80), stable=arm(120, 240), canary_at_step=80, elapsed_s=30.0), 0.05, cs)
-    details = {**decision.to_details(), "canary": {"deployment_id": 7, "policy_version": "v2"},
-               "stable": {"policy_version": "v1"}}
-    row = {"at": datetime(2026, 12, 2, tzinfo=timezone.utc), "target": "deployment:7", "details": details, "success": True}
+    decision = decide(
+        Observations(canary=arm(40, 80), stable=arm(120, 240), canary_at_step=80, elapsed_s=30.0), 0.05, cs
+    )
+    details = {
+        **decision.to_details(),
+        "canary": {"deployment_id": 7, "policy_version": "v2"},
+        "stable": {"policy_version": "v1"},
+    }
+    row = {
+        "at": datetime(2026, 12, 2, tzinfo=UTC),
+        "target": "deployment:7",
+        "details": details,
+        "success": True,
+    }
     out = _comparison(row, Settings(serving=ServingSettings(canary=cs)), current_id=7)
     assert out["current"] is True and out["deployment_id"] == 7
     assert out["action"] == decision.action and out["reason"] == decision.reason
@@ -122,7 +150,8 @@ def test_the_page_never_reads_data_without_the_bearer_token():
     script = (STATIC_DIR / "app.js").read_text()
     assert 'Authorization: "Bearer " + sent' in script and "sessionStorage.getItem(TOKEN_KEY)" in script
     assert not re.search(r"\.(inner|outer)HTML\b|insertAdjacentHTML|document\.write", script), (
-        "API text must go into the DOM through textContent")
+        "API text must go into the DOM through textContent"
+    )
     assert "http://" not in script and "https://" not in script, "no CDN or other origin"
     html = (STATIC_DIR / "index.html").read_text()
     assert "http://" not in html and "https://" not in html

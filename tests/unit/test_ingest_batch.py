@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import namedtuple
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -158,7 +158,7 @@ def _rows(*events) -> list[EventRow]:
 
 
 def test_session_updates_fold_start_end_versions_and_counts():
-    t0 = datetime.now(timezone.utc) - timedelta(minutes=5)
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
     events = [
         SessionStart(**ENV, occurred_at=t0, user_id="u1", task="mul", group_key="g", metadata={"plan": "pro"}),
         Completion(**ENV, occurred_at=t0 + timedelta(seconds=1), model="m", policy_version="v2"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import typer
@@ -11,15 +11,15 @@ from flywheel.config import Settings
 from rewarding.harness import settings_env
 from rewarding.main import parse_since
 
-NOW = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
 
 def test_since_accepts_look_backs_and_iso_times() -> None:
     assert parse_since("90s", NOW) == NOW - timedelta(seconds=90)
     assert parse_since("2h", NOW) == NOW - timedelta(hours=2)
     assert parse_since("7d", NOW) == NOW - timedelta(days=7)
-    assert parse_since("2026-12-01T00:00:00Z", NOW) == datetime(2026, 12, 1, tzinfo=timezone.utc)
-    assert parse_since("2026-12-01T00:00:00", NOW).tzinfo is timezone.utc
+    assert parse_since("2026-12-01T00:00:00Z", NOW) == datetime(2026, 12, 1, tzinfo=UTC)
+    assert parse_since("2026-12-01T00:00:00", NOW).tzinfo is UTC
     with pytest.raises(typer.BadParameter):
         parse_since("yesterday", NOW)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -17,7 +17,7 @@ from rewarding.session_state import Session
 from rewarding.store import StoredReward, decide, version_reason
 from rewarding.synthetic import SessionBuilder
 
-T0 = datetime.now(timezone.utc) - timedelta(hours=1)
+T0 = datetime.now(UTC) - timedelta(hours=1)
 
 
 def no_judge() -> str:
@@ -109,8 +109,14 @@ def test_scorer_records_components_meta_and_stats() -> None:
     meta = scored.components["_meta"]
     assert meta["n_events"] == 7 and meta["input_hash"] == view(b).input_hash()
     assert meta["stats"] == {
-        "completions": 2.0, "completion_tokens": 4.0, "clarifying": 1.0, "tool_results": 1.0,
-        "tool_errors": 1.0, "edited": 1.0, "grm_scored": 0.0, "grm_disagree": 0.0,
+        "completions": 2.0,
+        "completion_tokens": 4.0,
+        "clarifying": 1.0,
+        "tool_results": 1.0,
+        "tool_errors": 1.0,
+        "edited": 1.0,
+        "grm_scored": 0.0,
+        "grm_disagree": 0.0,
     }
     assert len(scored.samples) == 2 and scored.config_hash == scorer.config_hash
 

@@ -2,29 +2,46 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from flywheel.config import DetectorSettings, ShiftBound
 from rewarding.detectors import aggregate, flag_shifts
 
-T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def stats(**kw: float) -> dict[str, float]:
-    base = {"completions": 2.0, "completion_tokens": 20.0, "clarifying": 0.0, "tool_results": 2.0,
-            "tool_errors": 0.0, "edited": 0.0, "grm_scored": 1.0, "grm_disagree": 0.0}
+    base = {
+        "completions": 2.0,
+        "completion_tokens": 20.0,
+        "clarifying": 0.0,
+        "tool_results": 2.0,
+        "tool_errors": 0.0,
+        "edited": 0.0,
+        "grm_scored": 1.0,
+        "grm_disagree": 0.0,
+    }
     return {**base, **kw}
 
 
 def test_metrics_per_policy_version() -> None:
-    rows = [("v1", stats(), T0), ("v1", stats(tool_errors=1.0, edited=1.0, grm_disagree=1.0), T0),
-            ("v2", stats(clarifying=2.0, completion_tokens=60.0), T0 + timedelta(hours=1)), (None, stats(), T0)]
+    rows = [
+        ("v1", stats(), T0),
+        ("v1", stats(tool_errors=1.0, edited=1.0, grm_disagree=1.0), T0),
+        ("v2", stats(clarifying=2.0, completion_tokens=60.0), T0 + timedelta(hours=1)),
+        (None, stats(), T0),
+    ]
     v1, v2 = aggregate(rows)
     assert v1.policy_version == "v1" and v1.sessions == 2
-    assert v1.metrics() == {"tool_error_rate": 0.25, "clarifying_rate": 0.0, "edit_rate": 0.5,
-                            "mean_completion_tokens": 10.0, "judge_disagreement_rate": 0.5}
+    assert v1.metrics() == {
+        "tool_error_rate": 0.25,
+        "clarifying_rate": 0.0,
+        "edit_rate": 0.5,
+        "mean_completion_tokens": 10.0,
+        "judge_disagreement_rate": 0.5,
+    }
     assert v2.metrics()["clarifying_rate"] == 1.0 and v2.metrics()["mean_completion_tokens"] == 30.0
 
 

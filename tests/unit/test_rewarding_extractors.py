@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -27,7 +27,7 @@ from rewarding.extractors.user_signal import UserSignalExtractor
 from rewarding.session_state import Session
 from rewarding.synthetic import SessionBuilder
 
-T0 = datetime.now(timezone.utc) - timedelta(hours=2)
+T0 = datetime.now(UTC) - timedelta(hours=2)
 
 
 def view(b: SessionBuilder) -> Session:

@@ -42,6 +42,7 @@ def test_eviction_drops_every_stale_state_in_one_pass(tmp_path, monkeypatch) -> 
     settings.rewarding.finalize_batch_max = 7
     worker = worker_app(settings)
     sent: list[tuple[bytes, object]] = []
+
     def send(self, partition, key, value, *args, **kwargs):  # what the broker would get
         sent.append((key, value))
         return SimpleNamespace(message=SimpleNamespace(partition=0))

@@ -7,9 +7,9 @@ import asyncio
 import json
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 import pytest
 
@@ -59,7 +59,7 @@ def test_disagreement_flag_and_failures_are_recorded_not_zero() -> None:
 
 
 def test_transcript_is_cut_to_its_tail() -> None:
-    b = SessionBuilder(at=datetime.now(timezone.utc) - timedelta(minutes=1))
+    b = SessionBuilder(at=datetime.now(UTC) - timedelta(minutes=1))
     b.completion("answer: 4")
     text = transcript(Session.from_events(b.project, b.session_id, b.events), max_chars=12)
     assert text == "t: answer: 4"[-12:] and len(text) == 12
@@ -220,7 +220,7 @@ def test_extractor_against_the_judge_records_garbage_as_failure(judge_factory) -
 
     judge = judge_factory(answer)
     ex = GrmExtractor(GrmSettings(enabled=True, structured_output=False), _client(judge.url))
-    b = SessionBuilder(at=datetime.now(timezone.utc) - timedelta(minutes=1))
+    b = SessionBuilder(at=datetime.now(UTC) - timedelta(minutes=1))
     b.completion("answer: 4")
     c = ex.extract(Session.from_events(b.project, b.session_id, b.events))
     assert c.terms == {"correctness": 1.0} and c.value == 1.0

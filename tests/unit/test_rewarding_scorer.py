@@ -7,8 +7,8 @@ import random
 
 from flywheel.config import RewardingSettings
 from rewarding.scorer import Scorer
-from rewarding.synthetic import arith_session
 from rewarding.session_state import Session
+from rewarding.synthetic import arith_session
 
 
 def no_judge() -> str:

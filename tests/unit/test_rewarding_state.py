@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -11,7 +11,7 @@ from rewarding.session_state import EventCache, Session, SessionState, Windows
 from rewarding.synthetic import SessionBuilder
 
 W = Windows(feedback_window_s=10.0, session_timeout_s=100.0, rescore_delay_s=2.0)
-T0 = datetime.now(timezone.utc) - timedelta(minutes=10)
+T0 = datetime.now(UTC) - timedelta(minutes=10)
 
 
 def _state(b: SessionBuilder) -> SessionState:
@@ -42,9 +42,9 @@ def test_due_after_end_plus_window_else_timeout() -> None:
 
 
 def test_end_time_never_later_than_its_arrival() -> None:
-    b = SessionBuilder(at=datetime.now(timezone.utc) + timedelta(minutes=30))  # producer clock ahead
+    b = SessionBuilder(at=datetime.now(UTC) + timedelta(minutes=30))  # producer clock ahead
     state = _state(b)
-    arrived = datetime.now(timezone.utc).timestamp()
+    arrived = datetime.now(UTC).timestamp()
     state.add(b.end(), arrived_at=arrived, windows=W)
     assert state.ended_at == pytest.approx(arrived)
 

@@ -8,7 +8,17 @@ import uuid
 
 import pytest
 
-from flywheel.contracts import Completion, ContextUpdate, Feedback, Outcome, SessionEnd, SessionStart, SpanEnd, SpanStart, Turn
+from flywheel.contracts import (
+    Completion,
+    ContextUpdate,
+    Feedback,
+    Outcome,
+    SessionEnd,
+    SessionStart,
+    SpanEnd,
+    SpanStart,
+    Turn,
+)
 from flywheel.sdk import AsyncSession, Flywheel, Session, current_scope, current_session
 from flywheel.sdk.transports.memory import MemoryTransport
 
@@ -130,7 +140,9 @@ def test_context_events(fw: Flywheel) -> None:
         s.message("user", "long task")
         through = s.last_event_id
         writer = s.completion(model="m", completion_text="summary: ...")
-        s.summary("the user wants X", completion_id=writer, replaced_through=through, tokens_before=900, tokens_after=80)
+        s.summary(
+            "the user wants X", completion_id=writer, replaced_through=through, tokens_before=900, tokens_after=80
+        )
         s.prune(["doc-1", "doc-7"], tokens_before=500, tokens_after=300)
     summary, prune = [e for e in delivered(fw) if isinstance(e, ContextUpdate)]
     assert (summary.kind, summary.summary_completion_id, summary.replaced_through) == ("summary", writer, through)

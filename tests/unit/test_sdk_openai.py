@@ -131,9 +131,16 @@ def test_logprobs_are_kept_only_when_they_align() -> None:
 
 def test_prepare_request_adds_only_what_the_agent_left_unset() -> None:
     user_extra = {"top_k": 5}
-    out, injected = prepare_request("chat", {"model": "m", "stream": True, "extra_body": user_extra}, request_token_data=True)
+    out, injected = prepare_request(
+        "chat", {"model": "m", "stream": True, "extra_body": user_extra}, request_token_data=True
+    )
     assert out["extra_body"] == {"top_k": 5, "return_token_ids": True} and user_extra == {"top_k": 5}
-    assert (out["logprobs"], out["top_logprobs"], out["stream_options"], injected) == (True, 0, {"include_usage": True}, True)
+    assert (out["logprobs"], out["top_logprobs"], out["stream_options"], injected) == (
+        True,
+        0,
+        {"include_usage": True},
+        True,
+    )
     out, injected = prepare_request(
         "chat",
         {"model": "m", "stream": True, "logprobs": True, "top_logprobs": 3, "stream_options": {"include_usage": False}},
@@ -199,11 +206,37 @@ def lp(*values: float) -> dict:
 CHAT_CHUNKS = [
     chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}}], prompt_token_ids=[1, 2]),
     chunk([{"index": 0, "delta": {"content": "He"}, "token_ids": [7], "logprobs": lp(-0.1)}]),
-    chunk([{"index": 0, "delta": {"content": "llo", "tool_calls": [
-        {"index": 0, "id": "call_9", "type": "function", "function": {"name": "run", "arguments": '{"x"'}}]},
-        "token_ids": [8, 9], "logprobs": lp(-0.2, -0.3)}]),  # fmt: skip
-    chunk([{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
-            "token_ids": [10], "logprobs": lp(-0.4), "finish_reason": "tool_calls"}]),  # fmt: skip
+    chunk(
+        [
+            {
+                "index": 0,
+                "delta": {
+                    "content": "llo",
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "run", "arguments": '{"x"'},
+                        }
+                    ],
+                },
+                "token_ids": [8, 9],
+                "logprobs": lp(-0.2, -0.3),
+            }
+        ]
+    ),  # fmt: skip
+    chunk(
+        [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                "token_ids": [10],
+                "logprobs": lp(-0.4),
+                "finish_reason": "tool_calls",
+            }
+        ]
+    ),  # fmt: skip
     chunk([], usage={"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}),
 ]
 
@@ -221,7 +254,10 @@ def test_stream_accumulator_rebuilds_the_completion() -> None:
 
 
 def sse(chunks: list[ChatCompletionChunk]) -> bytes:
-    return b"".join(f"data: {json.dumps(c.model_dump(exclude_none=True))}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+    return (
+        b"".join(f"data: {json.dumps(c.model_dump(exclude_none=True))}\n\n".encode() for c in chunks)
+        + b"data: [DONE]\n\n"
+    )
 
 
 @pytest.fixture
@@ -256,13 +292,19 @@ def make_call(fw: Flywheel, session: Any, **request: Any) -> _Call:
 def test_logged_stream_hides_the_injected_usage_chunk_and_logs_at_the_end(fw: Flywheel) -> None:
     client = openai.OpenAI(api_key="x", base_url="http://vllm.invalid/v1")
     with fw.session() as s:
-        stream = LoggedStream.adopt(stream_over(client, sse(CHAT_CHUNKS), openai.Stream), _Observer(make_call(fw, s), True))
+        stream = LoggedStream.adopt(
+            stream_over(client, sse(CHAT_CHUNKS), openai.Stream), _Observer(make_call(fw, s), True)
+        )
         assert isinstance(stream, openai.Stream)
         received = list(stream)
     assert len(received) == len(CHAT_CHUNKS) - 1 and all(c.choices for c in received)
     assert fw.flush(10)
     (completion,) = [e for e in fw.transport.events() if isinstance(e, Completion)]
-    assert (completion.policy_version, completion.served_by, completion.completion_text) == ("ckpt-7", "replica-0", "Hello")
+    assert (completion.policy_version, completion.served_by, completion.completion_text) == (
+        "ckpt-7",
+        "replica-0",
+        "Hello",
+    )
     assert completion.completion_token_ids == [7, 8, 9, 10] and completion.logprobs == [-0.1, -0.2, -0.3, -0.4]
     assert completion.prompt_messages[0].content == "hi"
     assert completion_ids(stream) == [completion.completion_id]
@@ -271,7 +313,9 @@ def test_logged_stream_hides_the_injected_usage_chunk_and_logs_at_the_end(fw: Fl
 def test_a_stream_closed_early_logs_what_was_received(fw: Flywheel) -> None:
     client = openai.OpenAI(api_key="x", base_url="http://vllm.invalid/v1")
     with fw.session() as s:
-        with LoggedStream.adopt(stream_over(client, sse(CHAT_CHUNKS), openai.Stream), _Observer(make_call(fw, s), False)) as st:
+        with LoggedStream.adopt(
+            stream_over(client, sse(CHAT_CHUNKS), openai.Stream), _Observer(make_call(fw, s), False)
+        ) as st:
             next(st)
             next(st)
     assert fw.flush(10)
@@ -319,7 +363,11 @@ def _recording_client(seen: list[Any]) -> openai.OpenAI:
         seen.append(request)
         return httpx2.Response(200, json=chat_response().model_dump(), headers={"x-flywheel-policy-version": "ckpt-7"})
 
-    return openai.OpenAI(api_key="x", base_url="http://router.invalid/v1", http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+    return openai.OpenAI(
+        api_key="x",
+        base_url="http://router.invalid/v1",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
+    )
 
 
 def test_wrapped_client_sends_the_session_header_of_its_session(tmp_path) -> None:
@@ -330,9 +378,13 @@ def test_wrapped_client_sends_the_session_header_of_its_session(tmp_path) -> Non
         messages = [{"role": "user", "content": "hi"}]
         with fw.session() as s:
             client.chat.completions.create(model="base", messages=messages)
-            client.chat.completions.create(model="base", messages=messages, extra_headers={"x-flywheel-session-id": "own"})
+            client.chat.completions.create(
+                model="base", messages=messages, extra_headers={"x-flywheel-session-id": "own"}
+            )
         client.chat.completions.create(model="base", messages=messages)  # outside a session: no header
-        unsampled = Flywheel(project="openai-test", transport=MemoryTransport(), spool_dir=tmp_path / "u", sample_rate=0.0)
+        unsampled = Flywheel(
+            project="openai-test", transport=MemoryTransport(), spool_dir=tmp_path / "u", sample_rate=0.0
+        )
         try:
             other = unsampled.wrap_openai(_recording_client(seen))
             with unsampled.session() as quiet:

@@ -24,7 +24,10 @@ redact = Redactor()
         ("slack xoxb-123456789012-abcdefABCDEF", "xoxb-123456789012-abcdefABCDEF"),
         ("flywheel key fwk_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "fwk_AbCdEfGhIjKlMnOpQrStUvWxYz012345"),
         ("Authorization: Bearer abc.def-ghi_jkl~mno+pqr", "abc.def-ghi_jkl~mno+pqr"),
-        ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U", "eyJhbGci"),
+        (
+            "jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+            "eyJhbGci",
+        ),
         ("password=hunter2hunter2 and more", "hunter2hunter2"),
         ('{"api_key": "k-1234567890"}', "k-1234567890"),
         ("card 4111 1111 1111 1111 exp 12/29", "4111 1111 1111 1111"),

@@ -74,5 +74,17 @@ def test_tokens_create_refuses_a_writer_role(dead_url):
 def test_help_lists_the_serving_commands():
     result = invoke("--help")
     assert result.exit_code == 0
-    for command in ("checkpoints", "deploy", "promote", "rollback", "canary", "status", "tokens", "audit", "up", "down", "train"):
+    for command in (
+        "checkpoints",
+        "deploy",
+        "promote",
+        "rollback",
+        "canary",
+        "status",
+        "tokens",
+        "audit",
+        "up",
+        "down",
+        "train",
+    ):
         assert command in result.output

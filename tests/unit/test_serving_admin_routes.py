@@ -54,12 +54,26 @@ def endpoints(app) -> list[tuple[str, str]]:
 
 def test_the_app_has_the_routes_of_the_issue(app):
     paths = {(m, p) for m, p in endpoints(app)}
-    for wanted in [("GET", "/v1/checkpoints"), ("GET", "/v1/checkpoints/{checkpoint_id}"), ("GET", "/v1/fleet"),
-                   ("POST", "/v1/canary"), ("PUT", "/v1/canary/weight"), ("POST", "/v1/promote"),
-                   ("POST", "/v1/rollback"), ("POST", "/v1/trainer/pause"), ("POST", "/v1/trainer/resume"),
-                   ("POST", "/v1/canary/pause"), ("POST", "/v1/canary/resume"), ("GET", "/v1/audit"),
-                   ("GET", "/v1/tokens"), ("POST", "/v1/tokens"), ("DELETE", "/v1/tokens/{token_id}"),
-                   ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/health")]:
+    for wanted in [
+        ("GET", "/v1/checkpoints"),
+        ("GET", "/v1/checkpoints/{checkpoint_id}"),
+        ("GET", "/v1/fleet"),
+        ("POST", "/v1/canary"),
+        ("PUT", "/v1/canary/weight"),
+        ("POST", "/v1/promote"),
+        ("POST", "/v1/rollback"),
+        ("POST", "/v1/trainer/pause"),
+        ("POST", "/v1/trainer/resume"),
+        ("POST", "/v1/canary/pause"),
+        ("POST", "/v1/canary/resume"),
+        ("GET", "/v1/audit"),
+        ("GET", "/v1/tokens"),
+        ("POST", "/v1/tokens"),
+        ("DELETE", "/v1/tokens/{token_id}"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/health"),
+    ]:
         assert wanted in paths
 
 
@@ -141,9 +155,13 @@ def test_heldout_summary_prefers_the_gate():
 def test_admin_url_from_settings():
     settings = Settings(environment="test")
     assert admin_url(settings) == f"http://127.0.0.1:{settings.serving.admin_port}"
-    bound_all = settings.model_copy(update={"serving": settings.serving.model_copy(update={"admin_host": "0.0.0.0", "admin_port": 9})})
+    bound_all = settings.model_copy(
+        update={"serving": settings.serving.model_copy(update={"admin_host": "0.0.0.0", "admin_port": 9})}
+    )
     assert admin_url(bound_all) == "http://127.0.0.1:9"
-    explicit = settings.model_copy(update={"serving": settings.serving.model_copy(update={"admin_url": "http://ops:1/"})})
+    explicit = settings.model_copy(
+        update={"serving": settings.serving.model_copy(update={"admin_url": "http://ops:1/"})}
+    )
     assert admin_url(explicit) == "http://ops:1"
 
 

@@ -187,7 +187,9 @@ async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:
     from serving.router import MAX_BODY_BYTES, create_app
 
     base = Settings()
-    settings = base.model_copy(update={"serving": base.serving.model_copy(update={"refresh_s": 0.05, "health_timeout_s": 0.05})})
+    settings = base.model_copy(
+        update={"serving": base.serving.model_copy(update={"refresh_s": 0.05, "health_timeout_s": 0.05})}
+    )
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info"), ("GET", "/metrics"),

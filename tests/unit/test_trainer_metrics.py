@@ -18,7 +18,9 @@ def test_step_and_cycle_metrics_reach_the_http_endpoint(tmp_path):
     textfile = tmp_path / "trainer.prom"
     metrics = TrainerMetrics(textfile)
     metrics.on_step({"step": 0.0, "loss": 0.25, "reward_mean": 0.5, "clip_frac": 0.1, "tokens_per_s": 1000.0})
-    metrics.on_cycle("candidate", {"loss_before": 0.3, "loss_after": 0.2, "samples": 64}, {"candidate": 2, "skipped": 5}, 1.7e9)
+    metrics.on_cycle(
+        "candidate", {"loss_before": 0.3, "loss_after": 0.2, "samples": 64}, {"candidate": 2, "skipped": 5}, 1.7e9
+    )
     port = free_port()
     serve(port, textfile)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -8,6 +8,7 @@ import pytest
 
 from trainer.loss import LossConfig
 from trainer.step import (
+    DistInfo,
     StepConfig,
     StepSample,
     build_micro_batch,
@@ -16,7 +17,6 @@ from trainer.step import (
     shard_plan,
     split_micro_batches,
     train_on_batch,
-    DistInfo,
 )
 
 torch = pytest.importorskip("torch")
@@ -27,8 +27,15 @@ def tiny_llama(seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()
 

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from trainer.gate import GateConfig, decide
 from trainer.registry import RetentionInfo, retained
 from trainer.select import DataWindow, SampleMeta, SelectionRules, allowed_versions, choose
 
-T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, tzinfo=UTC)
 
 
-def row(i: int, completion: str, version: int = 1, policy: str = "p2", role: str = "agent", minute: int = 0) -> SampleMeta:
+def row(
+    i: int, completion: str, version: int = 1, policy: str = "p2", role: str = "agent", minute: int = 0
+) -> SampleMeta:
     return SampleMeta(i, completion, version, policy, role, T0 + timedelta(minutes=minute or i))
 
 
 def rules(**kw) -> SelectionRules:
-    base = dict(allowed_versions=frozenset({"p2"}), trainable_roles=frozenset({"agent"}), min_samples=1, max_samples=100)
+    base = dict(
+        allowed_versions=frozenset({"p2"}), trainable_roles=frozenset({"agent"}), min_samples=1, max_samples=100
+    )
     return SelectionRules(**(base | kw))
 
 
@@ -64,17 +68,24 @@ def test_window_is_open_at_start_closed_at_end():
     assert DataWindow(None, T0).contains(T0 - timedelta(days=9))
 
 
-def info(i: str, minute: int, status: str = "candidate", score: float | None = None, fmt: str = "full",
-         base: str = "/base", root: bool = False) -> RetentionInfo:
+def info(
+    i: str,
+    minute: int,
+    status: str = "candidate",
+    score: float | None = None,
+    fmt: str = "full",
+    base: str = "/base",
+    root: bool = False,
+) -> RetentionInfo:
     return RetentionInfo(i, T0 + timedelta(minutes=minute), status, fmt, f"/ck/{i}", base, root, score)
 
 
 def test_retention_keeps_latest_best_deployed_roots_and_lora_bases():
     rows = [
         info("base", 0, "deployed", root=True),
-        info("a", 1, score=0.9),            # best
-        info("b", 2, score=0.1),            # deployed recently
-        info("c", 3, score=0.2),            # dropped
+        info("a", 1, score=0.9),  # best
+        info("b", 2, score=0.1),  # deployed recently
+        info("c", 3, score=0.2),  # dropped
         info("d", 4, "rejected", score=0.95),  # rejected never counts as best
         info("e", 5, score=0.3, fmt="lora", base="/ck/c"),  # latest, keeps its base c
     ]
@@ -107,4 +118,7 @@ def test_lineage_tip_follows_checkpoints_on_trial_and_drops_a_rolled_back_branch
     assert pending_lineage_tip(S, [(S, None, "deployed")], set()) == S
     assert pending_lineage_tip(S, [*rows, ("bad", "c3", "rejected")], {"c1"}) == "c3"
     # a checkpoint trained from an older stable is not on this lineage
-    assert pending_lineage_tip(S, [("old", None, "deployed"), ("x", "old", "candidate"), (S, "old", "deployed")], set()) == S
+    assert (
+        pending_lineage_tip(S, [("old", None, "deployed"), ("x", "old", "candidate"), (S, "old", "deployed")], set())
+        == S
+    )

@@ -101,7 +101,12 @@ class KafkaTransport(Transport):
     # -- internals --------------------------------------------------------------------------
 
     def _result(
-        self, batch: Sequence[Envelope], futures: list[Any], rejected: dict[int, Rejection], stop: int, error: str | None
+        self,
+        batch: Sequence[Envelope],
+        futures: list[Any],
+        rejected: dict[int, Rejection],
+        stop: int,
+        error: str | None,
     ) -> SendResult:
         """Turn per-record futures into the prefix-shaped :class:`SendResult`."""
         sent = 0
