@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.config import CanarySettings  # noqa: E402
+from flywheel.core.settings import CanarySettings  # noqa: E402
 from serving.canary.policy import Observations, decide  # noqa: E402
 from serving.canary.stats import ArmStats  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flywheel.config import Settings  # noqa: E402
+from flywheel.core.settings import Settings  # noqa: E402
 from flywheel.demo import DemoConfig, run_demo  # noqa: E402
 
 

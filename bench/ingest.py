@@ -52,7 +52,7 @@ def _payload() -> str:
 
 
 def _settings(run_dir: Path):
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
     base = Settings()
     return base.model_copy(
@@ -69,7 +69,7 @@ def _settings(run_dir: Path):
 
 
 def _events(n: int, sessions: int) -> list[tuple[bytes, bytes]]:
-    from flywheel.contracts import Message, Turn, dump_event
+    from flywheel.core.contracts import Message, Turn, dump_event
 
     text = _payload()
     out = []
@@ -288,7 +288,7 @@ def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     args = parser.parse_args()
 
-    from flywheel.db.migrate import upgrade
+    from flywheel.core.db.migrate import upgrade
     from flywheel.stack.endpoints import drop_database, ensure_database, libpq_conninfo, postgres_url
     from flywheel.stack.stack import down, up
 

@@ -135,7 +135,7 @@ def unauthenticated_routes() -> dict[str, Any]:
     from fastapi.testclient import TestClient
     from sqlalchemy import create_engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
     from ingest.gateway import PUBLIC_PATHS as GATEWAY_PUBLIC
     from ingest.gateway import create_app as gateway_app
     from serving.admin import PUBLIC_PATHS as ADMIN_PUBLIC
@@ -339,7 +339,7 @@ def _growth(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
     from flywheel.demo import DemoConfig, run_demo
 
     soak = Soak(rate, work)

@@ -72,9 +72,9 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import text  # noqa: E402
 
-from flywheel.config import Settings  # noqa: E402
-from flywheel.db import migrate  # noqa: E402
-from flywheel.db.engine import get_engine  # noqa: E402
+from flywheel.core.db import migrate  # noqa: E402
+from flywheel.core.db.engine import get_engine  # noqa: E402
+from flywheel.core.settings import Settings  # noqa: E402
 from flywheel.stack import endpoints  # noqa: E402
 from flywheel.stack.stack import down, up  # noqa: E402
 from rewarding.harness import (  # noqa: E402

@@ -50,7 +50,7 @@ PROMPTS = [f"user: what is {a} + {b}?\nassistant:" for a in range(4) for b in ra
 
 
 def _settings(run_dir: Path) -> Any:
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
     base = Settings()
     return base.model_copy(
@@ -189,7 +189,7 @@ def _insert_rows(engine: Any, urls: list[str], base: str, base_dir: Path, alt: s
     """Checkpoints (base, alt), the stable deployment of the base, replica 0 serving, replica 1 draining."""
     from sqlalchemy.orm import Session
 
-    from flywheel.db.models import Checkpoint, Deployment, Replica
+    from flywheel.core.db.models import Checkpoint, Deployment, Replica
 
     with Session(engine) as s:
         for version, path, parent in ((base, base_dir, None), (alt, alt_dir, base)):
@@ -246,7 +246,7 @@ def _set_state(engine: Any, url: str, state: str) -> None:
     from sqlalchemy import update
     from sqlalchemy.orm import Session
 
-    from flywheel.db.models import Replica
+    from flywheel.core.db.models import Replica
 
     with Session(engine) as s:
         s.execute(update(Replica).where(Replica.url == url).values(state=state))
@@ -257,7 +257,7 @@ def _set_stable(engine: Any, deployment_id: int, checkpoint_id: str) -> None:
     from sqlalchemy import update
     from sqlalchemy.orm import Session
 
-    from flywheel.db.models import Deployment
+    from flywheel.core.db.models import Deployment
 
     with Session(engine) as s:
         s.execute(update(Deployment).where(Deployment.id == deployment_id).values(checkpoint_id=checkpoint_id))
@@ -468,8 +468,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from flywheel.db.engine import get_engine
-    from flywheel.db.migrate import upgrade
+    from flywheel.core.db.engine import get_engine
+    from flywheel.core.db.migrate import upgrade
     from flywheel.model.build import build_model
     from flywheel.stack.endpoints import drop_database, ensure_database, postgres_url
     from flywheel.stack.stack import down, up

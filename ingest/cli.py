@@ -21,7 +21,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _settings():
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     return get_settings()
 
@@ -29,7 +29,7 @@ def _settings():
 def _db_url(url: str | None) -> str:
     if url:
         return url
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.endpoints import postgres_url
 
     return postgres_url(_settings())
 
@@ -45,7 +45,7 @@ def topics(
     bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
 ) -> None:
     """Create the events and dead-letter topics if missing, and check them; exit 1 on a mismatch."""
-    from flywheel.stack.endpoints import kafka_bootstrap
+    from flywheel.core.endpoints import kafka_bootstrap
     from ingest.topics import ensure_topics
 
     settings = _settings()
@@ -72,7 +72,7 @@ def consume(
 
     from psycopg.errors import UndefinedTable
 
-    from flywheel.stack.endpoints import kafka_bootstrap
+    from flywheel.core.endpoints import kafka_bootstrap
     from ingest import consumer, metrics
     from ingest.topics import ensure_topics
 
@@ -81,7 +81,7 @@ def consume(
     bootstrap = bootstrap or kafka_bootstrap(settings)
     url = _db_url(db_url)
     if migrate:
-        from flywheel.db.migrate import upgrade
+        from flywheel.core.db.migrate import upgrade
 
         upgrade(url)
     ensure_topics(settings, bootstrap)
@@ -106,7 +106,7 @@ def gateway(
     """Serve the HTTP gateway (POST /v1/events; /metrics, /docs and /openapi.json behind a key)."""
     import uvicorn
 
-    from flywheel.stack.endpoints import kafka_bootstrap
+    from flywheel.core.endpoints import kafka_bootstrap
     from ingest.gateway import create_app
     from ingest.topics import ensure_topics
 
@@ -127,7 +127,7 @@ def report(
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """List feedback/outcomes whose session has no session_start or is not known yet, and dead letters."""
-    from flywheel.stack.endpoints import libpq_conninfo
+    from flywheel.core.endpoints import libpq_conninfo
     from ingest.report import build_report
 
     report_after_s = _settings().ingest.feedback_report_after_s
@@ -158,7 +158,7 @@ def check(
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
 ) -> None:
     """Health check: the broker has the events topic and the database has the ingest tables; exit 1 if not."""
-    from flywheel.stack.endpoints import kafka_bootstrap, libpq_conninfo
+    from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo
 
     settings = _settings()
     problems = _health_problems(settings, bootstrap or kafka_bootstrap(settings), libpq_conninfo(_db_url(db_url)))
@@ -175,7 +175,7 @@ def _health_problems(settings, bootstrap: str, conninfo: str) -> list[str]:
     from kafka import KafkaConsumer
     from kafka.errors import KafkaError
 
-    from flywheel.contracts.topics import events_topic
+    from flywheel.core.contracts.topics import events_topic
 
     problems: list[str] = []
     topic = events_topic(settings.kafka.topic_prefix)
@@ -204,8 +204,8 @@ def keys_create(
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """Create a write key and print its token once (only its hash is stored)."""
-    from flywheel.auth import create_key
-    from flywheel.db.engine import session_factory
+    from flywheel.core.auth import create_key
+    from flywheel.core.db.engine import session_factory
 
     with session_factory(_db_url(db_url))() as session:
         info, token = create_key(session, name=name, role="writer", project=project, created_by=created_by)
@@ -220,8 +220,8 @@ def keys_list(
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """List write keys (id, prefix, project, name, state); never the tokens."""
-    from flywheel.auth import list_keys
-    from flywheel.db.engine import session_factory
+    from flywheel.core.auth import list_keys
+    from flywheel.core.db.engine import session_factory
 
     with session_factory(_db_url(db_url))() as session:
         rows = list_keys(session, role="writer", project=project)
@@ -237,8 +237,8 @@ def keys_revoke(
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
     """Revoke a write key (the gateway refuses it within its cache time, 10 s)."""
-    from flywheel.auth import KeyNotFound, revoke_key
-    from flywheel.db.engine import session_factory
+    from flywheel.core.auth import KeyNotFound, revoke_key
+    from flywheel.core.db.engine import session_factory
 
     with session_factory(_db_url(db_url))() as session:
         try:

@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 from pydantic_core import from_json
 
-from flywheel.config import Settings
-from flywheel.contracts.events import ContractError, Event, Feedback, parse_event, parse_event_fast
-from flywheel.contracts.ids import uuid7_time_ms
-from flywheel.contracts.topics import dead_letter_topic, events_topic
+from flywheel.core.contracts.events import ContractError, Event, Feedback, parse_event, parse_event_fast
+from flywheel.core.contracts.ids import uuid7_time_ms
+from flywheel.core.contracts.topics import dead_letter_topic, events_topic
+from flywheel.core.settings import Settings
 from ingest import metrics
 from ingest.pending import ResolveResult, ResolveSettings, resolve_round
 from ingest.writer import (
@@ -159,7 +159,7 @@ def classify(record: RecordLike) -> EventRow | UnattachedRow | DeadLetterRow:
 
 
 def _parse_fast(text: str) -> Event | None:
-    """:func:`~flywheel.contracts.events.parse_event_fast` (a seam for the test that compares both paths)."""
+    """:func:`~flywheel.core.contracts.events.parse_event_fast` (a seam for the test that compares both paths)."""
     return parse_event_fast(text)
 
 
@@ -533,7 +533,7 @@ def run(
     settings: Settings, stop_event: threading.Event, *, bootstrap: str | None = None, db_url: str | None = None
 ) -> None:
     """Run one consumer until ``stop_event`` is set (the broker and database from settings or the local stack)."""
-    from flywheel.stack.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
+    from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
 
     bootstrap = bootstrap or kafka_bootstrap(settings)
     conninfo = libpq_conninfo(db_url or postgres_url(settings))

@@ -32,10 +32,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from flywheel.auth import KeyInfo, bearer_token, find_key, hash_token
-from flywheel.config import Settings
-from flywheel.contracts.events import ContractError, EventBase, dump_event, parse_event
-from flywheel.contracts.topics import events_topic
+from flywheel.core.auth import KeyInfo, bearer_token, find_key, hash_token
+from flywheel.core.contracts.events import ContractError, EventBase, dump_event, parse_event
+from flywheel.core.contracts.topics import events_topic
+from flywheel.core.settings import Settings
 from ingest import metrics
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class KeyStore:
         return info
 
     def _load(self, token: str) -> KeyInfo | None:
-        from flywheel.db.engine import session_factory
+        from flywheel.core.db.engine import session_factory
 
         with session_factory(self.db_url)() as session:
             info = find_key(session, token, touch=True)
@@ -255,7 +255,7 @@ def make_producer(settings: Settings) -> ProducerLike:
     """A KafkaProducer for the gateway: ``acks=all``, sized for the largest event."""
     from kafka import KafkaProducer
 
-    from flywheel.stack.endpoints import kafka_bootstrap
+    from flywheel.core.endpoints import kafka_bootstrap
 
     return KafkaProducer(
         bootstrap_servers=kafka_bootstrap(settings).split(","),
@@ -306,7 +306,7 @@ def create_app(
     topic = events_topic(settings.kafka.topic_prefix)
     state: dict[str, Any] = {"producer": producer}
     if db_url is None:
-        from flywheel.stack.endpoints import postgres_url
+        from flywheel.core.endpoints import postgres_url
 
         db_url = postgres_url(settings)
     keys = KeyStore(db_url, ttl_s=key_cache_ttl_s, negative_ttl_s=min(2.0, key_cache_ttl_s))

@@ -36,8 +36,8 @@ from typing import Any
 
 import psycopg
 
-from flywheel.config import IngestSettings
-from flywheel.contracts.events import dump_event, parse_event
+from flywheel.core.contracts.events import dump_event, parse_event
+from flywheel.core.settings import IngestSettings
 from ingest import metrics
 from ingest.writer import COMPLETION_SESSION
 
@@ -85,7 +85,7 @@ WHERE event_id = ANY(%(ids)s)
 
 @dataclass(frozen=True)
 class ResolveSettings:
-    """The knobs of :func:`resolve_round` (from :class:`flywheel.config.IngestSettings`)."""
+    """The knobs of :func:`resolve_round` (from :class:`flywheel.core.settings.IngestSettings`)."""
 
     retry_s: float = 5.0
     retry_max_s: float = 300.0

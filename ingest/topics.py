@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from flywheel.config import Settings
-from flywheel.contracts.topics import dead_letter_topic, events_topic
+from flywheel.core.contracts.topics import dead_letter_topic, events_topic
+from flywheel.core.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Postgres batch writes of the consumer: raw events, session rows and dead letters in one transaction.
 
 The hot path is psycopg 3 used directly, one multi-row statement per table per batch
-(``INSERT ... SELECT FROM unnest(...)``); the SQLAlchemy models in :mod:`flywheel.db.models`
+(``INSERT ... SELECT FROM unnest(...)``); the SQLAlchemy models in :mod:`flywheel.core.db.models`
 remain the schema's source of truth.
 
 Idempotence: ``raw_events`` and ``pending_feedback`` rows conflict on ``event_id`` and
@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 
-from flywheel.contracts.events import EventType
+from flywheel.core.contracts.events import EventType
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class EventRow:
     partition: int | None
     offset: int | None
     event: Any
-    """The parsed event (a member of :data:`flywheel.contracts.events.Event`)."""
+    """The parsed event (a member of :data:`flywheel.core.contracts.events.Event`)."""
 
 
 @dataclass(slots=True)

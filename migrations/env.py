@@ -7,7 +7,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from flywheel.db.models import Base
+from flywheel.core.db.models import Base
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):
@@ -20,7 +20,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from flywheel.db.engine import default_url
+    from flywheel.core.db.engine import default_url
 
     return default_url()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
-from flywheel.config import AnnealSettings
+from flywheel.core.settings import AnnealSettings
 
 
 def anneal_factor(schedule: AnnealSettings, at: datetime | None) -> float:

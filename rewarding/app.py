@@ -44,8 +44,8 @@ from mode.utils.objects import cached_property
 from mode.utils.queues import FlowControlEvent
 from sqlalchemy.exc import OperationalError
 
-from flywheel.config import Settings
-from flywheel.contracts.events import ContractError, Event, parse_event
+from flywheel.core.contracts.events import ContractError, Event, parse_event
+from flywheel.core.settings import Settings
 from rewarding import metrics
 from rewarding.changelog import ChangelogTable, RewardingTableManager
 from rewarding.detectors import detector_report

@@ -44,7 +44,7 @@ from faust.tables.recovery import Recovery
 from faust.transport.drivers.aiokafka import server_list
 from faust.types import TP
 
-from flywheel.kafka_ends import fetched_ends
+from flywheel.core.kafka_ends import fetched_ends
 
 log = logging.getLogger(__name__)
 

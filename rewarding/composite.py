@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flywheel.config import ScoringSettings
+from flywheel.core.settings import ScoringSettings
 from rewarding.extractors.base import Components
 
 OPERATIONAL_GRM_FIELDS = {"base_url", "api_key", "timeout_s", "retries", "retry_backoff_s", "concurrency", "cache_size"}

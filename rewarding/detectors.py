@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from flywheel.config import DetectorSettings, ShiftBound
-from flywheel.contracts.events import FeedbackKind
+from flywheel.core.contracts.events import FeedbackKind
+from flywheel.core.settings import DetectorSettings, ShiftBound
 from rewarding.extractors.base import Components
 from rewarding.session_state import Session
 
@@ -181,7 +181,7 @@ def detector_report(
     """The detector metrics over the newest reward of every session rewarded since ``since``."""
     from sqlalchemy import text
 
-    from flywheel.db.engine import get_engine
+    from flywheel.core.db.engine import get_engine
 
     with get_engine(db_url).connect() as conn:
         rows = [(r[0], r[1] or {}, r[2]) for r in conn.execute(text(LATEST_STATS_SQL), {"since": since})]

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flywheel.contracts.events import EventBase, dump_event
+from flywheel.core.contracts.events import EventBase, dump_event
 
 T = TypeVar("T")
 READY_MARK = "[^Worker]: Ready"

@@ -40,21 +40,21 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
 
 
 def _judge_url(settings):
-    from flywheel.stack.endpoints import vllm_urls
+    from flywheel.core.endpoints import vllm_urls
 
     return lambda: vllm_urls(settings)[0]
 
 
 def _db_url(settings) -> str:
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.endpoints import postgres_url
 
     return postgres_url(settings)
 
 
 def build_worker(settings=None):
     """The configured :class:`~rewarding.app.RewardingApp` (topics created, extractors built)."""
-    from flywheel.config import get_settings
-    from flywheel.stack.endpoints import kafka_bootstrap
+    from flywheel.core.endpoints import kafka_bootstrap
+    from flywheel.core.settings import get_settings
     from rewarding.app import RewardingApp
     from rewarding.scorer import Scorer
     from rewarding.topics import ensure_topics
@@ -76,7 +76,7 @@ def worker(
     mode.loop.use("uvloop")  # before faust creates its loop: faster than asyncio's default
     import faust
 
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     settings = get_settings()
     rewarding = build_worker(settings)
@@ -95,7 +95,7 @@ def recompute(
     dry_run: bool = typer.Option(False, help="Only compare with the stored rewards; write nothing."),
 ) -> None:
     """Replay raw events from Postgres through the current extractors into new reward versions."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from rewarding.recompute import recompute as run
     from rewarding.scorer import Scorer
 
@@ -120,7 +120,7 @@ def detectors(
     baseline: str | None = typer.Option(None, help="Policy version to compare against (default: the previous)."),
 ) -> None:
     """Reward-hacking metrics per policy version, and the shifts beyond their bounds."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from rewarding.detectors import detector_report
 
     settings = get_settings()
@@ -133,7 +133,7 @@ def detectors(
 @app.command()
 def check() -> None:
     """Validate the scoring configuration; print the config hash, extractors and weights."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from rewarding.composite import config_hash
     from rewarding.extractors import VERSIONS, needed
 

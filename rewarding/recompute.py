@@ -15,8 +15,8 @@ from datetime import datetime
 
 from sqlalchemy import text
 
-from flywheel.contracts.events import ContractError, Event, parse_event
-from flywheel.db.engine import get_engine
+from flywheel.core.contracts.events import ContractError, Event, parse_event
+from flywheel.core.db.engine import get_engine
 from rewarding.scorer import ScoredSession, Scorer
 from rewarding.session_state import Session
 from rewarding.store import Key, RewardStore, StoredReward

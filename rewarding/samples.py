@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from flywheel.contracts.events import Completion
+from flywheel.core.contracts.events import Completion
 from rewarding.composite import CompositeReward
 from rewarding.session_state import Session
 

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.config import RewardingSettings
+from flywheel.core.settings import RewardingSettings
 from rewarding.composite import combine, config_hash, effective_weights
 from rewarding.detectors import session_stats
 from rewarding.extractors import Extractor, JudgeUrl, build_extractors

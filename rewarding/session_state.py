@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from flywheel.contracts.events import (
+from flywheel.core.contracts.events import (
     Completion,
     ContextUpdate,
     Event,
@@ -38,7 +38,7 @@ from flywheel.contracts.events import (
 
 @dataclass(frozen=True)
 class Windows:
-    """The times that decide when a session is due (from :class:`~flywheel.config.RewardingSettings`)."""
+    """The times that decide when a session is due (from :class:`~flywheel.core.settings.RewardingSettings`)."""
 
     feedback_window_s: float
     session_timeout_s: float

@@ -24,7 +24,7 @@ import orjson
 from psycopg.types.json import Jsonb
 from sqlalchemy import text
 
-from flywheel.db.engine import get_engine
+from flywheel.core.db.engine import get_engine
 from rewarding.scorer import ScoredSession
 
 

@@ -11,7 +11,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from flywheel.contracts.events import (
+from flywheel.core.contracts.events import (
     Completion,
     ContextUpdate,
     Event,

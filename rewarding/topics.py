@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from flywheel.config import Settings
-from flywheel.contracts.topics import events_topic, scored_topic
+from flywheel.core.contracts.topics import events_topic, scored_topic
+from flywheel.core.settings import Settings
 
 
 @dataclass(frozen=True)

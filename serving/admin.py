@@ -50,8 +50,8 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.auth import KeyInfo, KeyNotFound, bearer_token, create_key, find_key, list_keys, revoke_key
-from flywheel.db.models import CHECKPOINT_STATUSES, ROLES, ApiKey, AuditLog, Checkpoint
+from flywheel.core.auth import KeyInfo, KeyNotFound, bearer_token, create_key, find_key, list_keys, revoke_key
+from flywheel.core.db.models import CHECKPOINT_STATUSES, ROLES, ApiKey, AuditLog, Checkpoint
 from serving.admin_schemas import (
     ID_PATTERN,
     OPS_ROLES,
@@ -84,7 +84,7 @@ from serving.dashboard import install_dashboard
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -919,8 +919,8 @@ def _docs_routes(router: APIRouter) -> None:
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The admin API over ``engine`` (default: the settings' Postgres), managing ``serving.fleet``."""
     if engine is None:
-        from flywheel.db.engine import get_engine
-        from flywheel.stack.endpoints import postgres_url
+        from flywheel.core.db.engine import get_engine
+        from flywheel.core.endpoints import postgres_url
 
         engine = get_engine(postgres_url(settings))
     app = FastAPI(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 READ_TIMEOUT_S = 30.0
 """Timeout of a read request."""
@@ -135,7 +135,7 @@ def _reason(response: Any) -> str:
 
 
 def _settings() -> Settings:
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     return get_settings()
 
@@ -225,9 +225,7 @@ checkpoints_app = typer.Typer(no_args_is_help=False, help="Checkpoints of the re
 
 
 @checkpoints_app.callback(invoke_without_command=True)
-def _checkpoints_default(
-    ctx: typer.Context, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION
-) -> None:
+def _checkpoints_default(ctx: typer.Context, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION) -> None:
     """List checkpoints when no subcommand is given."""
     if ctx.invoked_subcommand is None:
         checkpoints_list(token=token, url=url, limit=20, offset=0, status=None, as_json=False)
@@ -239,9 +237,7 @@ def checkpoints_list(
     url: str | None = URL_OPTION,
     limit: int = typer.Option(20, min=1, max=500, help="Rows."),
     offset: int = typer.Option(0, min=0, help="Rows to skip (newest first)."),
-    status: str | None = typer.Option(
-        None, help="Only this status (candidate, rejected, deployed, retired, deleted)."
-    ),
+    status: str | None = typer.Option(None, help="Only this status (candidate, rejected, deployed, retired, deleted)."),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Checkpoints, newest first: status, parent, policy version, held-out success."""
@@ -340,9 +336,7 @@ def _canary_default(ctx: typer.Context, token: str | None = TOKEN_OPTION, url: s
 
 
 @canary_app.command("status")
-def canary_status(
-    token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION, as_json: bool = JSON_OPTION
-) -> None:
+def canary_status(token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION, as_json: bool = JSON_OPTION) -> None:
     """The canary and stable deployments and whether the controller is paused."""
     answer = _run(_client(token, url).call, "GET", "/v1/canary")
     if as_json:
@@ -398,39 +392,23 @@ def canary_resume(
 # --------------------------------------------------------------------------- status
 
 
-def status_command(
-    stack: bool = typer.Option(True, "--stack/--no-stack", help="Show the local stack's components."),
-    fleet: bool = typer.Option(True, "--fleet/--no-fleet", help="Show the fleet, trainer and canary (admin API)."),
-    token: str | None = TOKEN_OPTION,
-    url: str | None = URL_OPTION,
-    as_json: bool = typer.Option(False, "--json", help="Print the fleet section as the API's JSON."),
-) -> None:
-    """The local stack (what runs where, healthy or not), then the fleet through the admin API.
+def fleet_status(token: str | None, url: str | None, as_json: bool) -> int:
+    """Print the fleet, the trainer and the canary controller through the admin API; return an exit code.
 
-    Exit 1: a stack component is unhealthy or the API refused; exit 2: the admin API is unreachable.
+    Exit 1: the API refused; exit 2: the admin API is unreachable.
     """
-    code = 0
-    if stack:
-        from flywheel.stack.cli import status_command as stack_status
-
-        try:
-            stack_status()
-        except typer.Exit as exit_:
-            code = max(code, int(exit_.exit_code or 0))
-    if fleet:
-        try:
-            answer = _client(token, url).call("GET", "/v1/status")
-        except CliFailure as failure:
-            typer.echo(f"fleet: {failure.message}", err=True)
-            raise typer.Exit(max(code, failure.code)) from None
-        if as_json:
-            _echo_json(answer)
-        else:
-            print_fleet(answer["fleet"])
-            typer.echo(_pause_line("trainer", answer["trainer"]))
-            typer.echo(_pause_line("canary controller", answer["canary_controller"]))
-    if code:
-        raise typer.Exit(code)
+    try:
+        answer = _client(token, url).call("GET", "/v1/status")
+    except CliFailure as failure:
+        typer.echo(f"fleet: {failure.message}", err=True)
+        return failure.code
+    if as_json:
+        _echo_json(answer)
+    else:
+        print_fleet(answer["fleet"])
+        typer.echo(_pause_line("trainer", answer["trainer"]))
+        typer.echo(_pause_line("canary controller", answer["canary_controller"]))
+    return 0
 
 
 # --------------------------------------------------------------------------- audit
@@ -539,14 +517,13 @@ def tokens_create(
 def _bootstrap(name: str, role: str, db_url: str | None) -> Any:
     from sqlalchemy.exc import OperationalError
 
-    from flywheel.db.engine import get_engine
-    from flywheel.stack.base import StackNotRunning
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.db.engine import get_engine
+    from flywheel.core.endpoints import NotConfigured, postgres_url
     from serving.admin import BootstrapRefused, bootstrap_admin_token
 
     try:
         url = db_url or postgres_url(_settings())
-    except StackNotRunning as err:
+    except NotConfigured as err:
         raise CliFailure(2, f"no token given and no database to bootstrap the first admin token in: {err}") from None
     if role != "admin":
         _refuse_if_admin_exists(url)
@@ -573,8 +550,8 @@ def _refuse_if_admin_exists(url: str) -> None:
     from sqlalchemy.exc import OperationalError
     from sqlalchemy.orm import Session
 
-    from flywheel.db.engine import get_engine
-    from flywheel.db.models import ApiKey
+    from flywheel.core.db.engine import get_engine
+    from flywheel.core.db.models import ApiKey
 
     try:
         with Session(get_engine(url)) as session:
@@ -605,12 +582,11 @@ def tokens_revoke(
 
 
 def register(app: typer.Typer) -> None:
-    """Add the serving commands to the ``flywheel`` app (``status`` replaces the stack-only one)."""
+    """Add the serving commands to the ``flywheel`` app (its ``status`` shows the fleet through :func:`fleet_status`)."""
     app.add_typer(checkpoints_app, name="checkpoints")
     app.command("deploy")(deploy_command)
     app.command("promote")(promote_command)
     app.command("rollback")(rollback_command)
     app.add_typer(canary_app, name="canary")
-    app.command("status")(status_command)
     app.command("audit")(audit_command)
     app.add_typer(tokens_app, name="tokens")

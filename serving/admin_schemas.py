@@ -1,6 +1,6 @@
 """Request and response bodies of the admin API (``serving.admin``).
 
-These are the API's own models, apart from the tables (``flywheel.db.models``): ``XCreate``
+These are the API's own models, apart from the tables (``flywheel.core.db.models``): ``XCreate``
 is what a client sends, ``XPublic`` what it gets back. Request models forbid unknown
 fields, so a misspelt field is refused with its name instead of being ignored.
 """

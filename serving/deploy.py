@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
-from flywheel.stack import vllm_admin
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
+from serving import vllm_admin
 from serving.fleet import (
     DeployError,
     active_deployment,
@@ -41,7 +41,7 @@ from serving.swap import SwapResult, Verifier, check_weights, rolling_swap, swap
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 __all__ = ["DeployError", "deploy_canary", "set_canary_weight", "promote", "rollback", "reconcile"]
 

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
-from flywheel.stack import vllm_admin
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
+from serving import vllm_admin
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def ensure_fleet(
 ) -> FleetStatus:
     """Register the fleet's replicas and, when the fleet has no stable deployment, the base as stable.
 
-    ``urls`` default to :func:`flywheel.stack.endpoints.vllm_urls`; each new replica is
+    ``urls`` default to :func:`flywheel.core.endpoints.vllm_urls`; each new replica is
     recorded with the version its ``/weight_info`` reports (``failed`` when it does not
     answer). A fleet without an active stable deployment gets the base checkpoint
     (:func:`trainer.registry.register_base` of ``model_dir``, default: the built model of
@@ -260,7 +260,7 @@ def ensure_fleet(
     :func:`serving.deploy.reconcile`. While another deployment operation holds the fleet
     lock nothing is written (that operation owns the fleet) and the status is returned.
     """
-    from flywheel.stack.endpoints import vllm_urls
+    from flywheel.core.endpoints import vllm_urls
 
     fleet = settings.serving.fleet
     urls = [u.rstrip("/") for u in (urls if urls is not None else vllm_urls(settings))]
@@ -272,9 +272,7 @@ def ensure_fleet(
     return fleet_status(engine, fleet)
 
 
-def _register(
-    engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str
-) -> None:
+def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str) -> None:
     from trainer.registry import register_base
 
     fleet = settings.serving.fleet

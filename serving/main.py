@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -29,8 +29,8 @@ app = typer.Typer(
 
 
 def _fleet() -> list[dict[str, object]]:
-    from flywheel.stack import vllm_admin
-    from flywheel.stack.endpoints import vllm_urls
+    from flywheel.core.endpoints import vllm_urls
+    from serving import vllm_admin
 
     rows: list[dict[str, object]] = []
     for url in vllm_urls():
@@ -49,11 +49,11 @@ def _fleet() -> list[dict[str, object]]:
 @app.command()
 def fleet(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """Show every vLLM replica: health, weight version, paused."""
-    from flywheel.stack.base import StackNotRunning
+    from flywheel.core.endpoints import NotConfigured
 
     try:
         rows = _fleet()
-    except StackNotRunning as exc:
+    except NotConfigured as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     if as_json:
@@ -67,11 +67,11 @@ def fleet(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
 @app.command()
 def check() -> None:
     """Exit 0 when every replica answers /health, else 1 naming the ones that do not."""
-    from flywheel.stack.base import StackNotRunning
+    from flywheel.core.endpoints import NotConfigured
 
     try:
         rows = _fleet()
-    except StackNotRunning as exc:
+    except NotConfigured as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     bad = [str(r["url"]) for r in rows if not r["healthy"]]
@@ -83,7 +83,7 @@ def check() -> None:
 
 def _settings(**serving: object) -> Settings:
     """The process settings, with the ``serving`` fields given on the command line (None: keep)."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     settings = get_settings()
     changed = {k: v for k, v in serving.items() if v is not None}
@@ -137,14 +137,13 @@ def check_db() -> None:
     from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
 
-    from flywheel.db.engine import get_engine
-    from flywheel.stack.base import StackNotRunning
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.db.engine import get_engine
+    from flywheel.core.endpoints import NotConfigured, postgres_url
 
     try:
         with get_engine(postgres_url(_settings())).connect() as conn:
             conn.execute(text("SELECT 1 FROM deployments, replicas, audit_log LIMIT 0"))
-    except StackNotRunning as exc:
+    except NotConfigured as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     except SQLAlchemyError as exc:

@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector, gene
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, select
 
-from flywheel.config import ServingSettings, Settings
+from flywheel.core.settings import ServingSettings, Settings
 from serving import routing
 from serving.routing import Decision, ReplicaHealth, ReplicaRow, RoutingTable, StickyTable
 
@@ -95,7 +95,7 @@ class UpstreamFailed(Exception):
 
 def read_table(engine: Engine, fleet: str) -> RoutingTable:
     """The fleet's active deployments (with their checkpoints' policy versions) and replica rows."""
-    from flywheel.db.models import Checkpoint, Deployment, Replica
+    from flywheel.core.db.models import Checkpoint, Deployment, Replica
 
     deployments = (
         select(Deployment.role, Deployment.weight, Deployment.id, Checkpoint.policy_version)
@@ -228,8 +228,8 @@ class Router:
     def engine(self) -> Engine:
         """The database engine (from the settings' Postgres URL unless one was given)."""
         if self._engine is None:
-            from flywheel.db.engine import get_engine
-            from flywheel.stack.endpoints import postgres_url
+            from flywheel.core.db.engine import get_engine
+            from flywheel.core.endpoints import postgres_url
 
             self._engine = get_engine(postgres_url(self.settings))
         return self._engine
@@ -769,6 +769,6 @@ def serve(settings: Settings) -> None:
 
 
 if __name__ == "__main__":
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     serve(get_settings())

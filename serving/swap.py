@@ -36,15 +36,15 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from flywheel.db.models import AuditLog, Checkpoint, Replica
-from flywheel.stack import vllm_admin
+from flywheel.core.db.models import AuditLog, Checkpoint, Replica
+from serving import vllm_admin
 from serving.fleet import DeployError, checkpoint_of_version, set_replica
 from serving.strategies import SwapStrategy, Target, get_strategy
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def check_weights(weights_path: str, reference: str | None = None) -> None:
     checkpoint), its tensors must also be exactly the reference's names and shapes: vLLM
     reloads in place into the tensors it has, so a missing or reshaped one breaks the replica.
 
-    Beyond :func:`~flywheel.stack.vllm_admin.check_checkpoint` (headers, sizes): measured
+    Beyond :func:`~serving.vllm_admin.check_checkpoint` (headers, sizes): measured
     on vLLM 0.32 here, weights with NaN made the replica answer every completion with HTTP 400
     (non-finite logprobs), so they are refused before a replica is touched. Reads every
     tensor once, as the replica's reload will.

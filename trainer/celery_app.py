@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from flywheel.config import Settings, get_settings
+from flywheel.core.settings import Settings, get_settings
 
 TASK_NAME = "trainer.train_cycle"
 BEAT_ENTRY = "train-cycle"
@@ -29,7 +29,7 @@ BEAT_ENTRY = "train-cycle"
 
 def make_app(settings: Settings | None = None) -> Celery:
     """A Celery app configured from ``settings``."""
-    from flywheel.stack.endpoints import redis_url
+    from flywheel.core.endpoints import redis_url
 
     settings = settings or get_settings()
     t = settings.trainer

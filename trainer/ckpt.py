@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from flywheel.fsutil import fsync_dir, fsync_tree
+from flywheel.core.fsutil import fsync_dir, fsync_tree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

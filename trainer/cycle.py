@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flywheel.config import Settings, TrainerSettings, get_settings
+from flywheel.core.settings import Settings, TrainerSettings, get_settings
 from trainer import registry
 from trainer.select import DataWindow, Sample, SelectionRules
 
@@ -91,8 +91,8 @@ class CycleOutcome:
 
 def run_cycle(key: str, trigger: str = "manual", settings: Settings | None = None) -> CycleOutcome:
     """Run one training cycle for idempotency ``key`` (see the module docstring)."""
-    from flywheel.db.engine import get_engine, session_factory
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.db.engine import get_engine, session_factory
+    from flywheel.core.endpoints import postgres_url
 
     settings = settings or get_settings()
     url = postgres_url(settings)
@@ -453,7 +453,7 @@ def _export(session: Session, metrics: Any, status: str, summary: dict[str, Any]
     """Write the Prometheus text file: this cycle's summary and the registry's cycle counts."""
     from sqlalchemy import func, select
 
-    from flywheel.db.models import TrainingCycle
+    from flywheel.core.db.models import TrainingCycle
 
     counts = dict(session.execute(select(TrainingCycle.status, func.count()).group_by(TrainingCycle.status)).all())
     metrics.on_cycle(status, summary, counts, time.time())

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flywheel.config import TrainerSettings
+    from flywheel.core.settings import TrainerSettings
     from trainer.ckpt import PolicyRef
     from trainer.step import StepSample, TrainResult
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as tdist
 
-    from flywheel.config import TrainerSettings
+    from flywheel.core.settings import TrainerSettings
     from trainer.ckpt import PolicyRef, load_trainable
     from trainer.cycle import lora_spec, step_config
     from trainer.step import DistInfo, StepSample, train_on_batch, weights_digest

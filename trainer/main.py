@@ -22,8 +22,8 @@ app = typer.Typer(
 
 
 def _session() -> Any:
-    from flywheel.db.engine import session_factory
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.db.engine import session_factory
+    from flywheel.core.endpoints import postgres_url
 
     return session_factory(postgres_url())()
 
@@ -40,7 +40,7 @@ def worker(
     max_tasks_per_child: int = typer.Option(1, min=1, help="Recycle a prefork child after this many cycles."),
 ) -> None:
     """Run a Celery worker on the trainer queue."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from trainer.celery_app import app as celery_app
 
     argv = [
@@ -66,7 +66,7 @@ def worker(
 @app.command()
 def beat(loglevel: str = typer.Option("INFO", help="Log level.")) -> None:
     """Run Celery beat: one ``train_cycle`` every ``trainer.schedule_seconds``."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from trainer.celery_app import app as celery_app
 
     settings = get_settings()
@@ -151,7 +151,7 @@ def status(limit: int = typer.Option(10, min=1, help="Rows of each table.")) -> 
 @app.command()
 def check() -> None:
     """Check settings, Postgres (migrated), Redis, the base model and the checkpoint folder."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     settings = get_settings()
     problems = []
@@ -172,8 +172,8 @@ def check() -> None:
 
 
 def _check_postgres(settings: Any) -> str:
-    from flywheel.db import migrate
-    from flywheel.stack.endpoints import postgres_url
+    from flywheel.core.db import migrate
+    from flywheel.core.endpoints import postgres_url
 
     url = postgres_url(settings)
     revision = migrate.current(url)
@@ -185,7 +185,7 @@ def _check_postgres(settings: Any) -> str:
 def _check_redis(settings: Any) -> str:
     import redis
 
-    from flywheel.stack.endpoints import redis_url
+    from flywheel.core.endpoints import redis_url
 
     url = redis_url(settings)
     redis.Redis.from_url(url, socket_timeout=3).ping()

@@ -1,6 +1,6 @@
 """The trainer's registry in Postgres: cycles, checkpoints, lineage, the pause flag, retention.
 
-Tables (``flywheel.db.models``): ``training_cycles`` (one row per cycle, whatever its
+Tables (``flywheel.core.db.models``): ``training_cycles`` (one row per cycle, whatever its
 result), ``checkpoints`` (one row per *complete* checkpoint folder), ``deployments``
 (read: what serves now) and ``audit_log`` (the pause flag, see :func:`set_paused`).
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import bindparam, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
-from flywheel.db.models import AuditLog, Checkpoint, Deployment, TrainingCycle
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, TrainingCycle
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

@@ -172,7 +172,7 @@ def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
     """Metadata of every ``training_samples`` row inside ``window``."""
     from sqlalchemy import select
 
-    from flywheel.db.models import TrainingSample as T
+    from flywheel.core.db.models import TrainingSample as T
 
     query = select(T.id, T.completion_id, T.reward_version, T.policy_version, T.agent_role, T.created_at).where(
         T.created_at <= window.end
@@ -186,7 +186,7 @@ def fetch_samples(session: Session, ids: Sequence[int]) -> list[Sample]:
     """Full rows for ``ids``, in the order of ``ids``; each is validated."""
     from sqlalchemy import select
 
-    from flywheel.db.models import TrainingSample as T
+    from flywheel.core.db.models import TrainingSample as T
 
     rows = {r.id: r for r in session.scalars(select(T).where(T.id.in_(list(ids))))}
     missing = [i for i in ids if i not in rows]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flywheel.config import get_settings
+from flywheel.core.settings import get_settings
 from trainer.celery_app import TASK_NAME, app
 
 _LIMIT = get_settings().trainer.time_limit_s

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 
 NOISE_SCALE = 0.6
 """Noise standard deviation, relative to each weight matrix's own standard deviation."""
@@ -26,7 +26,7 @@ def damaged_checkpoint(engine: Any, settings: Settings, seed: int = 0) -> str:
     from safetensors.torch import load_file, save_file
     from sqlalchemy.orm import Session
 
-    from flywheel.db.models import Checkpoint
+    from flywheel.core.db.models import Checkpoint
     from trainer import registry
 
     with Session(engine) as session:
@@ -71,7 +71,7 @@ def ops_token(engine: Any, name: str = "demo-ops") -> str:
     """An operator token for the demo's ops actions (shown nowhere; only its hash is stored)."""
     from sqlalchemy.orm import Session
 
-    from flywheel.auth import create_key
+    from flywheel.core.auth import create_key
 
     with Session(engine) as session:
         _, token = create_key(session, name=f"{name}-{uuid.uuid4().hex[:6]}", role="operator", created_by="demo")

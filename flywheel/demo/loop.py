@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from flywheel.config import Settings, get_settings
+from flywheel.core.settings import Settings, get_settings
 
 console = Console(width=130)
 log = logging.getLogger("flywheel.demo")
@@ -149,7 +149,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     """Run the loop; returns the summary (also written to the report folder)."""
     from sqlalchemy import create_engine
 
-    from flywheel.db import migrate
+    from flywheel.core.db import migrate
     from flywheel.demo.agent import DemoAgent
     from flywheel.demo.report import write_report
     from flywheel.demo.view import render

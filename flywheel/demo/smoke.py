@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flywheel.config import Settings, get_settings
+from flywheel.core.settings import Settings, get_settings
 
 console = Console(width=120)
 
@@ -74,7 +74,7 @@ def _kafka_round_trip(bootstrap: str, n: int = 100) -> Check:
 
 
 def _postgres(url: str) -> Check:
-    from flywheel.db import migrate
+    from flywheel.core.db import migrate
 
     migrate.upgrade(url)
     revision = migrate.current(url)
@@ -94,8 +94,8 @@ def _redis(url: str) -> Check:
 def _replica(url: str, episodes: int) -> Check:
     from openai import OpenAI
 
-    from flywheel.stack.vllm_admin import weight_info
     from flywheel.task.arith import run_episode, sample_problems
+    from serving.vllm_admin import weight_info
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     served = client.models.list().data[0].id

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from flywheel.config import ModelSettings, get_settings
-from flywheel.fsutil import fsync_dir, fsync_tree
+from flywheel.core.fsutil import fsync_dir, fsync_tree
+from flywheel.core.settings import ModelSettings, get_settings
 from flywheel.model.tokenizer import ROLES
 from flywheel.task import arith
 

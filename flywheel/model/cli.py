@@ -67,7 +67,7 @@ def info(
     folder: Path | None = typer.Argument(None, help="A built model folder; default: the one the settings name."),
 ) -> None:
     """Print the sidecar (flywheel_model.json) of a built model."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from flywheel.model.build import SIDECAR_NAME, build_key, is_complete
 
     if folder is None:

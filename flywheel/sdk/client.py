@@ -32,15 +32,15 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from flywheel import __version__
-from flywheel.config import SdkSettings
-from flywheel.contracts.ids import uuid7
+from flywheel.core.contracts.ids import uuid7
 from flywheel.sdk.redact import RedactFn, Redactor, chain
 from flywheel.sdk.sender import Counters, EventBuilder, Fields, RateLimitedLog, Record, SdkStats, Sender
+from flywheel.sdk.settings import SdkSettings
 from flywheel.sdk.spool import Spool
 from flywheel.sdk.transports import Transport, make_transport
 
 if TYPE_CHECKING:
-    from flywheel.contracts.events import FeedbackKind
+    from flywheel.core.contracts.events import FeedbackKind
 
 log = logging.getLogger("flywheel.sdk")
 
@@ -106,7 +106,7 @@ class Scope:
     """What sessions and spans share: the calls that log turns, completions and context events.
 
     A scope is a session's root agent or one sub-agent span; everything logged through it
-    carries its :class:`~flywheel.contracts.SpanRef`. ``with scope:`` (or ``async with``)
+    carries its :class:`~flywheel.core.contracts.SpanRef`. ``with scope:`` (or ``async with``)
     makes it the current scope, which the OpenAI wrapper logs into.
     """
 
@@ -432,7 +432,7 @@ class Span(Scope):
 class Flywheel:
     """The client an agent product embeds: ``fw = Flywheel(project=..., write_key=...)``.
 
-    Settings come from :class:`~flywheel.config.SdkSettings` (environment variables
+    Settings come from :class:`~flywheel.sdk.settings.SdkSettings` (environment variables
     ``FLYWHEEL_*``), overridden by ``settings=`` and then by keyword arguments named like
     its fields (``transport="http"``, ``kafka_bootstrap=...``, ``spool_dir=...``).
     ``redactor`` is the product's own ``str -> str`` redaction, applied after the default

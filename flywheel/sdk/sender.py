@@ -3,7 +3,7 @@
 The agent's threads only append cheap tuples (:data:`Record`) to a deque. One daemon
 thread, the sender, takes them in order and, for each, builds the contract model
 (validation: a product bug that makes an invalid event is logged and counted, never
-raised), redacts its free text, serializes it (:func:`~flywheel.contracts.dump_event`)
+raised), redacts its free text, serializes it (:func:`~flywheel.core.contracts.dump_event`)
 and hands batches to the transport.
 
 Order is kept by one rule: the spool is a FIFO *in front of* the transport. Whenever the
@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flywheel.contracts.events import EVENT_TYPES, dump_event
+from flywheel.core.contracts.events import EVENT_TYPES, dump_event
 from flywheel.sdk.redact import RedactFn, redact_fields
 from flywheel.sdk.spool import Spool
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport

@@ -24,7 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from flywheel.config import Settings
+from flywheel.core.endpoints import NotConfigured
+from flywheel.core.settings import Settings
 
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 10.0
@@ -47,7 +48,7 @@ class ComponentFailed(RuntimeError):
         super().__init__(message)
 
 
-class StackNotRunning(LookupError):
+class StackNotRunning(NotConfigured):
     """A component was asked for that neither config names nor ``stack.json`` records."""
 
 

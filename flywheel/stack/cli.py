@@ -34,7 +34,7 @@ def up_command(
     ),
 ) -> None:
     """Start (or find) the stack's services and wait until they are healthy."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from flywheel.stack.base import ComponentFailed
     from flywheel.stack.stack import parse_components, status, up
 
@@ -63,7 +63,7 @@ def down_command(
     """Stop the services the stack started (external ones are left running)."""
     from rich.console import Console
 
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from flywheel.stack.stack import down, parse_components
 
     try:
@@ -76,7 +76,7 @@ def down_command(
 
 def status_command() -> None:
     """Show what runs where and whether it is healthy (exit code 1 if anything is not)."""
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
     from flywheel.stack.stack import status
 
     settings = get_settings()

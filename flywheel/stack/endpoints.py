@@ -1,39 +1,53 @@
-"""How every Flywheel service finds the stack's components.
+"""Where the local development stack's components run, for composition and tests.
 
 Each function returns the configured value when the settings name one, else what
 ``flywheel up`` recorded in ``run_dir/stack.json``, else raises
-:class:`~flywheel.stack.base.StackNotRunning` saying what to run or set.
+:class:`~flywheel.stack.base.StackNotRunning` saying what to run or set. Services never
+call this module: composition resolves the endpoints here and passes them to the
+services it starts through their environment (:func:`endpoint_env`), and services read
+them from settings alone (:mod:`flywheel.core.endpoints`).
 """
 
 from __future__ import annotations
 
-from flywheel.config import Settings, get_settings
+import json
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from flywheel.core import endpoints as configured
+from flywheel.core.endpoints import drop_database, ensure_database, libpq_conninfo, with_database
+from flywheel.core.settings import Settings, get_settings
 from flywheel.stack.base import ComponentRecord, StackNotRunning, load_state, record_alive, state_path
 
-DRIVER = "postgresql+psycopg"
+__all__ = [
+    "drop_database",
+    "endpoint_env",
+    "ensure_database",
+    "kafka_bootstrap",
+    "libpq_conninfo",
+    "postgres_url",
+    "redis_url",
+    "resolved",
+    "vllm_urls",
+    "with_database",
+]
 
 
 def kafka_bootstrap(settings: Settings | None = None) -> str:
     """Bootstrap servers (``host:port[,host:port]``) of the Kafka-protocol broker."""
     settings = settings or get_settings()
     if settings.kafka.bootstrap_servers:
-        return settings.kafka.bootstrap_servers
+        return configured.kafka_bootstrap(settings)
     return _recorded(settings, "broker", "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS").where
 
 
 def postgres_url(settings: Settings | None = None, database: str | None = None) -> str:
-    """SQLAlchemy URL (``postgresql+psycopg://``) of the project's database, or of ``database``.
-
-    A configured ``postgres.url`` keeps its own database name unless ``database`` is given
-    (or it names none, then ``postgres.database`` is used).
-    """
-    from sqlalchemy.engine import make_url
-
+    """SQLAlchemy URL of the project's database (or of ``database``); see :func:`flywheel.core.endpoints.postgres_url`."""
     settings = settings or get_settings()
     if settings.postgres.url:
-        base = settings.postgres.url
-    else:
-        base = _recorded(settings, "postgres", "FLYWHEEL_POSTGRES__URL").where
+        return configured.postgres_url(settings, database)
+    base = _recorded(settings, "postgres", "FLYWHEEL_POSTGRES__URL").where
     return with_database(base, database or make_url(base).database or settings.postgres.database)
 
 
@@ -41,7 +55,7 @@ def redis_url(settings: Settings | None = None) -> str:
     """URL of the Redis that Celery uses."""
     settings = settings or get_settings()
     if settings.redis.url:
-        return settings.redis.url
+        return configured.redis_url(settings)
     return _recorded(settings, "redis", "FLYWHEEL_REDIS__URL").where
 
 
@@ -49,7 +63,7 @@ def vllm_urls(settings: Settings | None = None) -> list[str]:
     """Base URLs (``http://host:port``, no ``/v1``) of the vLLM replicas, in index order."""
     settings = settings or get_settings()
     if settings.vllm.urls:
-        return [u.rstrip("/") for u in settings.vllm.urls]
+        return configured.vllm_urls(settings)
     records = load_state(settings).of_kind("vllm")
     if not records:
         raise StackNotRunning(_missing("vLLM", settings, "FLYWHEEL_VLLM__URLS='[\"http://host:port\"]'"))
@@ -58,77 +72,30 @@ def vllm_urls(settings: Settings | None = None) -> list[str]:
     return [r.where for r in records]
 
 
-def with_database(url: str, database: str) -> str:
-    """``url`` pointing at ``database``, with the psycopg 3 driver."""
-    from sqlalchemy.engine import make_url
+def endpoint_env(settings: Settings | None = None) -> dict[str, str]:
+    """``FLYWHEEL_*`` variables naming every component that the settings or the stack know of.
 
-    parsed = make_url(url)
-    if parsed.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-        parsed = parsed.set(drivername=DRIVER)
-    return parsed.set(database=database).render_as_string(hide_password=False)
-
-
-def ensure_database(url: str) -> str:
-    """Create the database that ``url`` names if it does not exist; return ``url``.
-
-    Connects to the server's ``postgres`` maintenance database with the same role.
-    Safe to race: a concurrent creator's win counts as success.
+    The Postgres URL names the server only (no database), so that a service's own
+    ``postgres.database`` still chooses the database. A component that neither the
+    settings nor the stack know of is left out (the service then says it is not configured).
     """
-    import psycopg
-    from psycopg import errors, sql
-
-    name = _database_name(url)
-    with psycopg.connect(_maintenance_conninfo(url), autocommit=True, connect_timeout=5) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
-        if not exists:
-            try:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            except errors.DuplicateDatabase:
-                pass
-    return url
-
-
-def drop_database(url: str) -> None:
-    """Drop the database that ``url`` names (if it exists), ending its connections."""
-    import psycopg
-    from psycopg import sql
-
-    name = _database_name(url)
-    with psycopg.connect(_maintenance_conninfo(url), autocommit=True, connect_timeout=5) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    settings = settings or get_settings()
+    env: dict[str, str] = {}
+    for var, resolve in (
+        ("FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS", lambda: kafka_bootstrap(settings)),
+        ("FLYWHEEL_POSTGRES__URL", lambda: _server_only(postgres_url(settings))),
+        ("FLYWHEEL_REDIS__URL", lambda: redis_url(settings)),
+        ("FLYWHEEL_VLLM__URLS", lambda: json.dumps(vllm_urls(settings))),
+    ):
+        try:
+            env[var] = resolve()
+        except StackNotRunning:
+            continue
+    return env
 
 
-def libpq_conninfo(url: str) -> str:
-    """A libpq connection string for a SQLAlchemy URL (for psycopg used directly)."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    parts = {
-        "host": parsed.host,
-        "port": parsed.port,
-        "user": parsed.username,
-        "password": parsed.password,
-        "dbname": parsed.database,
-    }
-    parts.update({k: v for k, v in parsed.query.items() if isinstance(v, str)})
-    return " ".join(f"{k}={_quote(str(v))}" for k, v in parts.items() if v is not None)
-
-
-def _database_name(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    name = make_url(url).database
-    if not name:
-        raise ValueError(f"the Postgres URL names no database: {url!r}")
-    return name
-
-
-def _maintenance_conninfo(url: str) -> str:
-    return libpq_conninfo(with_database(url, "postgres"))
-
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+def _server_only(url: str) -> str:
+    return make_url(url).set(database=None).render_as_string(hide_password=False)
 
 
 def _recorded(settings: Settings, name: str, env_hint: str) -> ComponentRecord:
@@ -151,3 +118,30 @@ def _missing(what: str, settings: Settings, env_hint: str) -> str:
     return (
         f"no {what} is configured and none is recorded in {state_path(settings)}: run `flywheel up` (or set {env_hint})"
     )
+
+
+def resolved(settings: Settings | None = None) -> Settings:
+    """``settings`` with every endpoint that the stack knows of filled in, as a deployed service sees them.
+
+    For code that runs a role in this process (tests, benchmarks) against the local stack;
+    a child process gets the same through :func:`endpoint_env`.
+    """
+    settings = settings or get_settings()
+    updates: dict[str, Any] = {}
+    try:
+        updates["kafka"] = settings.kafka.model_copy(update={"bootstrap_servers": kafka_bootstrap(settings)})
+    except StackNotRunning:
+        pass
+    try:
+        updates["postgres"] = settings.postgres.model_copy(update={"url": _server_only(postgres_url(settings))})
+    except StackNotRunning:
+        pass
+    try:
+        updates["redis"] = settings.redis.model_copy(update={"url": redis_url(settings)})
+    except StackNotRunning:
+        pass
+    try:
+        updates["vllm"] = settings.vllm.model_copy(update={"urls": vllm_urls(settings)})
+    except StackNotRunning:
+        pass
+    return settings.model_copy(update=updates)

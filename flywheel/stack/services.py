@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 from flywheel.stack.base import (
     ComponentFailed,
     log_tail,
@@ -39,6 +39,7 @@ from flywheel.stack.base import (
     spawn,
     terminate_group,
 )
+from flywheel.stack.endpoints import endpoint_env
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +204,15 @@ class ServiceGroup:
 def settings_env(settings: Settings, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, str]:
     """This process's environment plus what a child needs to see ``settings``' stack and ``overrides``.
 
+    The stack's endpoints are passed as settings (:func:`~flywheel.stack.endpoints.endpoint_env`):
+    services read settings alone, never the stack's ``stack.json``.
+
     ``overrides`` maps a settings section to field values, e.g.
     ``{"trainer": {"schedule_seconds": 30}}`` → ``FLYWHEEL_TRAINER__SCHEDULE_SECONDS=30``;
     lists and nested models are passed as JSON, which pydantic-settings parses.
     """
     env = dict(os.environ)
+    env.update(endpoint_env(settings))
     env["FLYWHEEL_RUN_DIR"] = str(Path(settings.run_dir).resolve())
     env["FLYWHEEL_ENVIRONMENT"] = settings.environment
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from flywheel.config import Settings, get_settings
+from flywheel.core.settings import Settings, get_settings
 from flywheel.stack.base import (
     Component,
     ComponentFailed,

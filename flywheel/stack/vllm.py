@@ -17,8 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from flywheel.config import Settings
-from flywheel.stack import vllm_admin
+from flywheel.core.settings import Settings
 from flywheel.stack.base import (
     Component,
     ComponentFailed,
@@ -28,6 +27,7 @@ from flywheel.stack.base import (
     require_port_free,
     spawn,
 )
+from serving import vllm_admin
 
 HOST = "127.0.0.1"
 SIDECAR_NAME = "flywheel_model.json"

@@ -1,7 +1,7 @@
 """Reward extractors, one module each, and the factory that builds them from settings.
 
 To add one: write ``rewarding/extractors/<name>.py`` with an :class:`Extractor` subclass
-(``name``, ``version``, ``extract``), give it a settings class in ``flywheel/config.py``
+(``name``, ``version``, ``extract``), give it a settings class in ``flywheel/core/settings/``
 under ``ScoringSettings``, add it to :data:`FACTORIES`, and give it a weight.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flywheel.config import RewardingSettings
+from flywheel.core.settings import RewardingSettings
 from rewarding.extractors.base import Components, Extractor, ExtractorError
 from rewarding.extractors.grm import GrmExtractor
 from rewarding.extractors.outcome import OutcomeExtractor

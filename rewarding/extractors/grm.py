@@ -15,7 +15,7 @@ import re
 import statistics
 from dataclasses import dataclass
 
-from flywheel.config import GrmSettings, RubricSettings
+from flywheel.core.settings import GrmSettings, RubricSettings
 from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.grm import JudgeClient, JudgeError
 from rewarding.session_state import Session

@@ -9,7 +9,7 @@ later Outcome event makes a new reward version. For the calculator demo, ``task_
 
 from __future__ import annotations
 
-from flywheel.config import OutcomeExtractorSettings, OutcomeRule
+from flywheel.core.settings import OutcomeExtractorSettings, OutcomeRule
 from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.session_state import Session
 

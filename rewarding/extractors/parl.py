@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from flywheel.config import OutcomeExtractorSettings, ParlSettings
-from flywheel.contracts.events import Completion, SpanStart
+from flywheel.core.contracts.events import Completion, SpanStart
+from flywheel.core.settings import OutcomeExtractorSettings, ParlSettings
 from rewarding.anneal import anneal_factor
 from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.extractors.outcome import outcome_terms

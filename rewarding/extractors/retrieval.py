@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from flywheel.config import RetrievalSettings
+from flywheel.core.settings import RetrievalSettings
 from rewarding.extractors.base import Components, Extractor
 from rewarding.session_state import Session
 

@@ -6,7 +6,7 @@ schedule takes them to zero so the final policy optimises task success alone.
 
 from __future__ import annotations
 
-from flywheel.config import ShapingSettings
+from flywheel.core.settings import ShapingSettings
 from rewarding.anneal import anneal_factor
 from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.session_state import Session

@@ -16,8 +16,8 @@ The credit is added to that completion's sample only; the session reward is unch
 
 from __future__ import annotations
 
-from flywheel.config import OutcomeExtractorSettings, SummarySettings
-from flywheel.contracts.events import Completion, ContextUpdate, Turn
+from flywheel.core.contracts.events import Completion, ContextUpdate, Turn
+from flywheel.core.settings import OutcomeExtractorSettings, SummarySettings
 from rewarding.extractors.base import Components, Extractor
 from rewarding.extractors.outcome import combine, outcome_terms
 from rewarding.session_state import Session

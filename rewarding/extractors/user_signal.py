@@ -8,8 +8,8 @@ reward. The sum is clipped to ``[-clip, clip]``. No counted signal: no value.
 
 from __future__ import annotations
 
-from flywheel.config import SignalRule, UserSignalSettings
-from flywheel.contracts.events import Feedback, FeedbackKind
+from flywheel.core.contracts.events import Feedback, FeedbackKind
+from flywheel.core.settings import SignalRule, UserSignalSettings
 from rewarding.extractors.base import Components, Extractor
 from rewarding.session_state import Session
 

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from flywheel.db.models import AuditLog, Checkpoint, Deployment
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment
 from serving.canary.live import read_live
 from serving.canary.policy import Decision, decide
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -321,11 +321,11 @@ def run(settings: Settings, max_looks: int | None = None) -> None:
     """
     from sqlalchemy.exc import OperationalError
 
-    from flywheel.db.engine import get_engine
-    from flywheel.stack.endpoints import postgres_url
-    from flywheel.stack.vllm_admin import VllmAdminError
+    from flywheel.core.db.engine import get_engine
+    from flywheel.core.endpoints import postgres_url
     from serving import deploy
     from serving.fleet import DeployError
+    from serving.vllm_admin import VllmAdminError
 
     engine = get_engine(postgres_url(settings))
     reconcile = getattr(deploy, "reconcile", None)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
 
-from flywheel.config import CanarySettings, DetectorSettings
+from flywheel.core.settings import CanarySettings, DetectorSettings
 from serving.canary.policy import GuardInput, Observations
 from serving.canary.stats import ArmStats
 

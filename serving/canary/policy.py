@@ -2,7 +2,7 @@
 
 Inputs are the per-arm sufficient statistics of the primary metric and of every guard
 metric since the canary deployment started (:class:`Observations`), the canary's current
-traffic weight and :class:`~flywheel.config.CanarySettings`. The rule, in order:
+traffic weight and :class:`~flywheel.core.settings.CanarySettings`. The rule, in order:
 
 1. **Guards.** Each guard metric (higher is worse: failed sessions, sessions slower than
    stable's p95, the reward-hacking detectors) has its own confidence sequence at level
@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from flywheel.config import CanarySettings
+from flywheel.core.settings import CanarySettings
 from serving.canary.stats import ArmStats, Comparison, compare
 
 Action = Literal["hold", "step_up", "promote", "rollback"]

@@ -35,7 +35,7 @@ from serving.dashboard.schemas import DashboardPublic
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 """The page's own files (index.html, app.js, style.css)."""

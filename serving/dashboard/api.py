@@ -33,7 +33,7 @@ from sqlalchemy import text
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,14 @@ def measure_kafka_lag(settings: Settings, timeout_s: float = KAFKA_TIMEOUT_S) ->
 
     Committed offsets of ``settings.ingest.group_id`` against the end offsets of the
     ``<prefix>.events`` topic (read by a fetch: ListOffsets is wrong on Tansu, see
-    :mod:`flywheel.kafka_ends`); a partition the group never committed counts from its
+    :mod:`flywheel.core.kafka_ends`); a partition the group never committed counts from its
     beginning offset. Raises on any broker error (the caller turns it into a reason).
     """
     from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
-    from flywheel.contracts.topics import events_topic
-    from flywheel.kafka_ends import fetched_ends
-    from flywheel.stack.endpoints import kafka_bootstrap
+    from flywheel.core.contracts.topics import events_topic
+    from flywheel.core.endpoints import kafka_bootstrap
+    from flywheel.core.kafka_ends import fetched_ends
 
     bootstrap = kafka_bootstrap(settings).split(",")
     topic = events_topic(settings.kafka.topic_prefix)

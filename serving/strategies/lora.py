@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import httpx
 
-from flywheel.stack import vllm_admin
+from serving import vllm_admin
 from serving.strategies.base import SwapStrategy, Target
 
 

@@ -34,11 +34,11 @@ from flywheel_integration_conftest import WARMUP_TIMEOUT_S, make_settings  # loa
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from flywheel.auth import create_key, find_key, revoke_key
-from flywheel.config import CanarySettings, Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import Checkpoint, Deployment
+from flywheel.core.auth import create_key, find_key, revoke_key
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import Checkpoint, Deployment
+from flywheel.core.settings import CanarySettings, Settings
 from flywheel.stack import endpoints, vllm_admin
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
@@ -120,7 +120,7 @@ def broker(settings: Settings) -> str:
     """A real Kafka-protocol broker with the ingest topics and a few events nobody consumed."""
     from kafka import KafkaProducer
 
-    from flywheel.contracts.topics import events_topic
+    from flywheel.core.contracts.topics import events_topic
     from ingest.topics import ensure_topics
 
     up(settings, ["broker"])

@@ -18,11 +18,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from flywheel.auth import create_key
-from flywheel.config import CanarySettings, KafkaSettings, ServingSettings, Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import Checkpoint, Deployment
+from flywheel.core.auth import create_key
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import Checkpoint, Deployment
+from flywheel.core.settings import CanarySettings, KafkaSettings, ServingSettings, Settings
 from flywheel.stack import endpoints
 
 pytestmark = pytest.mark.integration

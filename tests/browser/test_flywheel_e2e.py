@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 from flywheel.demo import DemoConfig, run_demo
 from flywheel.stack import endpoints
 
@@ -172,7 +172,7 @@ def _dashboard(
     from playwright.sync_api import expect
     from sqlalchemy.orm import Session
 
-    from flywheel.auth import create_key
+    from flywheel.core.auth import create_key
 
     with Session(engine) as session:
         _, token = create_key(session, name=f"e2e-viewer-{uuid.uuid4().hex[:6]}", role="viewer", created_by="e2e test")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from hypothesis import strategies as st
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import port_free, spawned_alive, terminate_group
 from flywheel.stack.stack import down, up

@@ -18,10 +18,10 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from flywheel.config import Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import AgentSession, AuditLog, Checkpoint, Deployment, RawEvent, Reward
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import AgentSession, AuditLog, Checkpoint, Deployment, RawEvent, Reward
+from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from serving.canary.controller import DECISION_ACTION, canary_pause_state, run, run_once, set_canary_paused
 from serving.fleet import DeployError

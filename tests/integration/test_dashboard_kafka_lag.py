@@ -11,8 +11,8 @@ from conftest import topic_in_batches
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from flywheel.config import Settings
-from flywheel.contracts.topics import events_topic
+from flywheel.core.contracts.topics import events_topic
+from flywheel.core.settings import Settings
 from serving.dashboard.api import measure_kafka_lag
 
 pytestmark = pytest.mark.integration

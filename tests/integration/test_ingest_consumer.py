@@ -22,8 +22,7 @@ import psycopg
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from flywheel.config import Settings
-from flywheel.contracts import (
+from flywheel.core.contracts import (
     Completion,
     Feedback,
     Message,
@@ -35,8 +34,9 @@ from flywheel.contracts import (
     parse_event,
     uuid7,
 )
-from flywheel.contracts.topics import dead_letter_topic, events_topic
-from flywheel.db.migrate import upgrade
+from flywheel.core.contracts.topics import dead_letter_topic, events_topic
+from flywheel.core.db.migrate import upgrade
+from flywheel.core.settings import Settings
 from flywheel.sdk import Flywheel
 from flywheel.stack.endpoints import libpq_conninfo
 from ingest import metrics

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from typer.testing import CliRunner
 
-from flywheel.auth import create_key, revoke_key
-from flywheel.config import Settings
-from flywheel.contracts import Feedback, Message, Turn, dump_event, parse_event, uuid7
-from flywheel.contracts.topics import events_topic
-from flywheel.db.engine import session_factory
-from flywheel.db.migrate import upgrade
+from flywheel.core.auth import create_key, revoke_key
+from flywheel.core.contracts import Feedback, Message, Turn, dump_event, parse_event, uuid7
+from flywheel.core.contracts.topics import events_topic
+from flywheel.core.db.engine import session_factory
+from flywheel.core.db.migrate import upgrade
+from flywheel.core.settings import Settings
 from ingest.cli import app as cli_app
 from ingest.gateway import create_app
 from ingest.topics import ensure_topics

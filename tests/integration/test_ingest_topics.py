@@ -9,8 +9,8 @@ import pytest
 from kafka.admin import KafkaAdminClient
 from typer.testing import CliRunner
 
-from flywheel.config import Settings
-from flywheel.db.migrate import upgrade
+from flywheel.core.db.migrate import upgrade
+from flywheel.core.settings import Settings
 from ingest.cli import app as cli_app
 from ingest.topics import ensure_topics
 
@@ -59,7 +59,7 @@ def test_report_command_prints_json(pg_url):
 
 
 def test_check_command_passes_only_with_topic_and_schema(kafka_bootstrap, pg_url, monkeypatch):
-    from flywheel.config import get_settings
+    from flywheel.core.settings import get_settings
 
     upgrade(pg_url)
     settings = _settings(kafka_bootstrap)

@@ -9,7 +9,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from flywheel.contracts.ids import uuid7
+from flywheel.core.contracts.ids import uuid7
 
 pytestmark = pytest.mark.integration
 

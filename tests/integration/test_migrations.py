@@ -10,8 +10,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, make_url, text
 
-from flywheel.db import migrate
-from flywheel.db.models import Base
+from flywheel.core.db import migrate
+from flywheel.core.db.models import Base
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.config import ModelSettings, get_settings
+from flywheel.core.settings import ModelSettings, get_settings
 from flywheel.model import build as builder
 from flywheel.model.eval import heldout_success, load_policy
 from flywheel.task import arith

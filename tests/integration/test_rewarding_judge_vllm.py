@@ -15,9 +15,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from flywheel.config import RewardingSettings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.settings import RewardingSettings
 from rewarding.scorer import Scorer
 from rewarding.session_state import Session
 from rewarding.store import RewardStore

@@ -17,8 +17,8 @@ import pytest
 from conftest import topic_in_batches
 from sqlalchemy import text
 
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
 from rewarding.harness import WorkerProcess, make_producer, produce, settings_env, wait_until
 from rewarding.synthetic import arith_session
 
@@ -124,7 +124,7 @@ def test_recovery_reads_each_changelog_partition_to_its_last_record(kafka_bootst
     from faust.types import TP
     from kafka import KafkaConsumer, TopicPartition
 
-    from flywheel.kafka_ends import fetched_ends
+    from flywheel.core.kafka_ends import fetched_ends
 
     topic = f"rwk-ends-{uuid.uuid4().hex[:8]}"
     topic_in_batches(kafka_bootstrap, topic, {0: (1, 3, 5), 1: (1,)})  # partition 0: offsets 0, 1-3, 4-8

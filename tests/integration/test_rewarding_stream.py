@@ -16,10 +16,10 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from flywheel.config import DetectorSettings, RewardingSettings
-from flywheel.contracts.events import ToolCall, dump_event
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
+from flywheel.core.contracts.events import ToolCall, dump_event
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.settings import DetectorSettings, RewardingSettings
 from rewarding.detectors import detector_report
 from rewarding.harness import WorkerProcess, free_port, make_producer, produce, settings_env, wait_until
 from rewarding.recompute import recompute

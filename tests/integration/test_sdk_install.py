@@ -41,7 +41,7 @@ def test_sdk_extra_resolves_without_heavy_dependencies(tmp_path):
 
 def test_sdk_import_loads_no_service_modules():
     code = (
-        "import sys, flywheel.contracts, flywheel.sdk;"
+        "import sys, flywheel.core.contracts, flywheel.sdk;"
         "from flywheel import Flywheel;"
         "heavy = [m for m in ('torch', 'vllm', 'sqlalchemy', 'fastapi', 'celery', 'faust', 'transformers') if m in sys.modules];"
         "print(','.join(heavy))"

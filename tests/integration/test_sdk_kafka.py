@@ -24,8 +24,8 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from flywheel.contracts import Completion, parse_event
-from flywheel.contracts.topics import events_topic
+from flywheel.core.contracts import Completion, parse_event
+from flywheel.core.contracts.topics import events_topic
 from flywheel.sdk import Flywheel
 from flywheel.stack.base import port_open
 from flywheel.stack.broker import tansu_binary

@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from flywheel.auth import create_key, revoke_key
-from flywheel.config import ServingSettings, Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.core.auth import create_key, revoke_key
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.core.settings import ServingSettings, Settings
 from flywheel.stack import endpoints
 from serving.admin import (
     PUBLIC_PATHS,
@@ -276,7 +276,7 @@ def test_openapi_and_docs_need_a_viewer_token(client, tokens):
 
 
 def test_use_of_a_token_is_recorded(engine, client, tokens):
-    from flywheel.auth import find_key
+    from flywheel.core.auth import find_key
 
     assert client.get("/v1/trainer", headers=bearer(tokens["viewer"])).status_code == 200
     with Session(engine) as session:

@@ -24,12 +24,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from flywheel.auth import create_key
 from flywheel.cli import app as cli_app
-from flywheel.config import Settings, get_settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import AuditLog, Checkpoint
+from flywheel.core.auth import create_key
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import AuditLog, Checkpoint
+from flywheel.core.settings import Settings, get_settings
 from flywheel.stack import endpoints, vllm_admin
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of

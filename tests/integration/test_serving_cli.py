@@ -25,10 +25,10 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from flywheel.cli import app as cli_app
-from flywheel.config import ServingSettings, Settings, get_settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import AuditLog, Checkpoint
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import AuditLog, Checkpoint
+from flywheel.core.settings import ServingSettings, Settings, get_settings
 from flywheel.stack import endpoints
 from serving.admin import create_app
 

@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from flywheel.config import Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.vllm import policy_version_of
 from serving.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight

@@ -27,10 +27,10 @@ from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from sqlalchemy import Engine, delete, update
 from sqlalchemy.orm import Session
 
-from flywheel.config import Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import Checkpoint, Deployment, Replica
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import Checkpoint, Deployment, Replica
+from flywheel.core.settings import Settings
 from flywheel.stack import endpoints, vllm_admin
 from flywheel.stack.base import load_state
 from flywheel.stack.stack import down, up

@@ -22,10 +22,10 @@ from conftest import WARMUP_TIMEOUT_S, make_settings
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from flywheel.config import Settings
-from flywheel.db import migrate
-from flywheel.db.engine import get_engine
-from flywheel.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
+from flywheel.core.settings import Settings
 from flywheel.stack import endpoints, vllm_admin
 from flywheel.stack.base import log_dir, log_tail
 from flywheel.stack.stack import down, up
@@ -628,7 +628,7 @@ def test_a_replica_killed_between_pause_and_resume_ends_failed_and_the_admin_api
 
     from fastapi.testclient import TestClient
 
-    from flywheel.auth import create_key
+    from flywheel.core.auth import create_key
     from flywheel.stack.base import load_state
     from serving.admin import create_app
 

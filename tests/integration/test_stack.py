@@ -13,7 +13,7 @@ import redis
 import typer
 from typer.testing import CliRunner
 
-from flywheel.config import get_settings
+from flywheel.core.settings import get_settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import ComponentFailed, StackNotRunning, pid_alive, port_open, spawned_alive
 from flywheel.stack.cli import register

@@ -23,9 +23,9 @@ import pytest
 from sqlalchemy import create_engine, select, text
 from test_trainer_rollouts import insert_rows, sample_rows
 
-from flywheel.config import Settings, get_settings
-from flywheel.db import migrate
-from flywheel.db.models import Checkpoint, TrainingCycle
+from flywheel.core.db import migrate
+from flywheel.core.db.models import Checkpoint, TrainingCycle
+from flywheel.core.settings import Settings, get_settings
 from flywheel.stack import endpoints
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def db_url(pg_url: str) -> Iterator[str]:
     endpoints.ensure_database(url)
     migrate.upgrade(url)
     yield url
-    from flywheel.db.engine import get_engine
+    from flywheel.core.db.engine import get_engine
 
     get_engine(url).dispose()
     endpoints.drop_database(url)

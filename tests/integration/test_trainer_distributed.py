@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def batch(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     """A batch file (parent = the base model, 24 real samples with RLOO advantages) for torchrun."""
-    from flywheel.config import TrainerSettings
+    from flywheel.core.settings import TrainerSettings
     from flywheel.model.build import read_sidecar
     from trainer.advantages import AdvantageConfig, AdvInput, compute_advantages
     from trainer.ckpt import PolicyRef
@@ -75,7 +75,7 @@ def single_process(batch_path: Path) -> tuple[dict, float]:
     """The same update in one process: final weights and loss after."""
     import torch
 
-    from flywheel.config import TrainerSettings
+    from flywheel.core.settings import TrainerSettings
     from trainer.ckpt import PolicyRef, load_trainable
     from trainer.cycle import lora_spec, step_config
     from trainer.step import StepSample, train_on_batch

@@ -154,8 +154,8 @@ def generate(
 
 def insert_rows(url: str, rows: list[dict[str, Any]], project: str = PROJECT) -> list[int]:
     """Insert ``rows`` as ``training_samples`` (fresh completion ids), each with a ``rewards`` row."""
-    from flywheel.db.engine import session_factory
-    from flywheel.db.models import Reward, TrainingSample
+    from flywheel.core.db.engine import session_factory
+    from flywheel.core.db.models import Reward, TrainingSample
 
     ids = []
     with session_factory(url)() as session:

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flywheel.stack import vllm_admin
 from flywheel.stack.vllm import cpu_binding
+from serving import vllm_admin
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

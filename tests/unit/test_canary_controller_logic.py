@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from flywheel.config import CanarySettings
-from flywheel.db.models import AuditLog
+from flywheel.core.db.models import AuditLog
+from flywheel.core.settings import CanarySettings
 from serving.canary.controller import hold_worth_logging, reason_kind
 from serving.canary.policy import Observations, decide
 from serving.canary.stats import ArmStats

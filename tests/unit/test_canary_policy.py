@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flywheel.config import CanarySettings
+from flywheel.core.settings import CanarySettings
 from serving.canary.policy import GuardInput, Observations, decide, step_position, weight_steps
 from serving.canary.stats import ArmStats
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 
 
 def test_nested_environment_overrides(monkeypatch):

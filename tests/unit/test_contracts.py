@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flywheel.contracts import (
+from flywheel.cli.contracts import SCHEMA_PATH, render_schema
+from flywheel.core.contracts import (
     Completion,
     ContextUpdate,
     ContractError,
@@ -30,8 +31,7 @@ from flywheel.contracts import (
     parse_event,
     uuid7,
 )
-from flywheel.contracts.cli import SCHEMA_PATH, render_schema
-from flywheel.contracts.ids import uuid7_time_ms
+from flywheel.core.contracts.ids import uuid7_time_ms
 
 ENV = {"project": "demo", "session_id": "sess-1"}
 
@@ -302,7 +302,7 @@ def test_the_fast_path_decides_exactly_as_the_careful_one(text, name, value):
     """Text written by dump_event is validated straight from JSON (no dict first); any field
     replaced by any value must give the same event, or the same field and reason, as the
     careful path, which parses the JSON first."""
-    from flywheel.contracts.events import FAST_PREFIX
+    from flywheel.core.contracts.events import FAST_PREFIX
 
     data = json.loads(text)
     data[name] = value

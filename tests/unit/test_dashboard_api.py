@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from flywheel.config import CanarySettings, KafkaSettings, ServingSettings, Settings
+from flywheel.core.settings import CanarySettings, KafkaSettings, ServingSettings, Settings
 from serving.canary.policy import Observations, decide
 from serving.canary.stats import ArmStats
 from serving.dashboard import (

@@ -33,7 +33,7 @@ def test_config_json_leaves_the_hooks_out_and_is_json():
 
 
 def test_service_settings_are_merged_over_the_demos_own(tmp_path):
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
     from flywheel.demo.loop import service_overrides
 
     config = DemoConfig(service_settings={"rewarding": {"state_retention_s": 120.0, "feedback_window_s": 1.0},

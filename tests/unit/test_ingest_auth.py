@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from flywheel.auth import OPS_TOKEN_PREFIX, WRITE_KEY_PREFIX, bearer_token, hash_token, new_token, verify
+from flywheel.core.auth import OPS_TOKEN_PREFIX, WRITE_KEY_PREFIX, bearer_token, hash_token, new_token, verify
 
 
 def test_new_token_has_prefix_random_body_and_matching_hash():

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flywheel.contracts import Completion, Feedback, Message, SessionEnd, SessionStart, Turn, dump_event
-from flywheel.contracts.events import FAST_PREFIX
+from flywheel.core.contracts import Completion, Feedback, Message, SessionEnd, SessionStart, Turn, dump_event
+from flywheel.core.contracts.events import FAST_PREFIX
 from ingest import consumer
 from ingest.consumer import DLQ_VALUE_MAX, backoff_delays, dlq_headers, dlq_value, process_batch
 from ingest.writer import DeadLetterRow, EventRow, clean_text, session_updates

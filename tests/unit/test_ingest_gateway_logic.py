@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi import HTTPException
 
-from flywheel.contracts import Feedback, Message, Turn, dump_event
+from flywheel.core.contracts import Feedback, Message, Turn, dump_event
 from ingest.gateway import decode_batch, validate_batch
 
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import typer
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 from rewarding.harness import settings_env
 from rewarding.main import parse_since
 

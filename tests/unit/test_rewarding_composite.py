@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flywheel.config import RewardingSettings, ScoringSettings
-from flywheel.contracts.events import ToolCall
+from flywheel.core.contracts.events import ToolCall
+from flywheel.core.settings import RewardingSettings, ScoringSettings
 from rewarding.composite import combine, config_hash, effective_weights
 from rewarding.extractors import ExtractorError, build_extractors
 from rewarding.extractors.base import Components

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flywheel.config import DetectorSettings, ShiftBound
+from flywheel.core.settings import DetectorSettings, ShiftBound
 from rewarding.detectors import aggregate, flag_shifts
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)

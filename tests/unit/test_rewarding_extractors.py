@@ -6,7 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flywheel.config import (
+from flywheel.core.contracts.events import ToolCall
+from flywheel.core.settings import (
     AnnealSettings,
     OutcomeExtractorSettings,
     OutcomeRule,
@@ -16,7 +17,6 @@ from flywheel.config import (
     SummarySettings,
     UserSignalSettings,
 )
-from flywheel.contracts.events import ToolCall
 from rewarding.anneal import anneal_factor
 from rewarding.extractors.outcome import OutcomeExtractor
 from rewarding.extractors.parl import ParlExtractor, critical_steps

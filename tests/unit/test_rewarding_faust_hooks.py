@@ -3,7 +3,7 @@ end of each changelog, and the bounded fetch wait (no broker needed: nothing con
 
 from __future__ import annotations
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 from rewarding.app import RewardingApp
 from rewarding.changelog import ChangelogEndRecovery, ChangelogTable
 from rewarding.scorer import Scorer

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flywheel.config import GrmSettings, RubricSettings
+from flywheel.core.settings import GrmSettings, RubricSettings
 from rewarding.extractors.grm import GrmExtractor, RubricResult, aggregate, parse_score, transcript
 from rewarding.grm import JudgeClient, JudgeConfig, JudgeError
 from rewarding.session_state import Session

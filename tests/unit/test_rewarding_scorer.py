@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from flywheel.config import RewardingSettings
+from flywheel.core.settings import RewardingSettings
 from rewarding.scorer import Scorer
 from rewarding.session_state import Session
 from rewarding.synthetic import arith_session

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from flywheel.contracts import (
+from flywheel.core.contracts import (
     Completion,
     ContextUpdate,
     Feedback,

@@ -148,7 +148,7 @@ def test_a_refused_key_keeps_events_spooled_loudly_until_it_is_fixed(tmp_path, c
 
 
 def test_feedback_by_completion_id_alone_goes_through_the_gateway_without_a_session(tmp_path) -> None:
-    from flywheel.contracts import uuid7
+    from flywheel.core.contracts import uuid7
     from flywheel.sdk import Flywheel
 
     t, seen = transport(lambda r: httpx.Response(202, json={"accepted": ids(r), "rejected": []}))

@@ -17,7 +17,7 @@ import pytest
 from openai.types import Completion as TextCompletion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from flywheel.contracts import Completion
+from flywheel.core.contracts import Completion
 from flywheel.sdk import Flywheel
 from flywheel.sdk.openai import (
     LoggedAsyncStream,

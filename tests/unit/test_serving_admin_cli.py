@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.config import get_settings
+from flywheel.core.settings import get_settings
 
 
 @pytest.fixture

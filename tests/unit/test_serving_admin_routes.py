@@ -16,7 +16,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
-from flywheel.config import Settings
+from flywheel.core.settings import Settings
 from serving.admin import (
     PUBLIC_PATHS,
     READ_METHODS,

@@ -103,8 +103,8 @@ def _weights(folder, **tensors):
 
 
 def test_check_weights_refuses_non_finite_and_truncated_files(tmp_path):
-    from flywheel.stack.vllm_admin import CheckpointInvalid
     from serving.swap import check_weights
+    from serving.vllm_admin import CheckpointInvalid
 
     check_weights(str(_weights(tmp_path / "good", a=[1.0, 2.0], b=[[0.5]])))
     with pytest.raises(CheckpointInvalid, match="tensor b holds NaN"):
@@ -120,8 +120,8 @@ def test_check_weights_refuses_non_finite_and_truncated_files(tmp_path):
 
 
 def test_check_weights_against_the_served_model_refuses_other_names_and_shapes(tmp_path):
-    from flywheel.stack.vllm_admin import CheckpointInvalid
     from serving.swap import check_weights
+    from serving.vllm_admin import CheckpointInvalid
 
     served = str(_weights(tmp_path / "served", a=[1.0, 2.0], b=[[0.5]]))
     check_weights(str(_weights(tmp_path / "same", a=[3.0, 4.0], b=[[1.5]])), reference=served)

@@ -183,7 +183,7 @@ async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:
     """The ASGI app without replicas: the allow-list, size and JSON checks, readiness (no upstream needed)."""
     import httpx
 
-    from flywheel.config import Settings
+    from flywheel.core.settings import Settings
     from serving.router import MAX_BODY_BYTES, create_app
 
     base = Settings()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from flywheel.config import VllmSettings
+from flywheel.core.settings import VllmSettings
 from flywheel.stack.vllm import cpu_binding
 
 

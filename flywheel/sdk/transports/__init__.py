@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flywheel.contracts.topics import events_topic
+from flywheel.core.contracts.topics import events_topic
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport, TransportUnavailable
 
 if TYPE_CHECKING:
-    from flywheel.config import SdkSettings
+    from flywheel.sdk.settings import SdkSettings
 
 
-def local_stack_bootstrap() -> str:
-    """The broker of the local stack (``flywheel up``), as its ``stack.json`` records it."""
-    from flywheel.stack.endpoints import kafka_bootstrap
-
-    return kafka_bootstrap()
+def no_broker_configured() -> str:
+    """Stands in for a broker address that nobody gave: every send says what to set."""
+    raise LookupError("no Kafka broker is configured")
 
 
 def make_transport(settings: SdkSettings) -> Transport:
@@ -23,7 +21,7 @@ def make_transport(settings: SdkSettings) -> Transport:
     if settings.transport == "kafka":
         from flywheel.sdk.transports.kafka import KafkaTransport
 
-        bootstrap = settings.kafka_bootstrap or local_stack_bootstrap
+        bootstrap = settings.kafka_bootstrap or no_broker_configured
         return KafkaTransport(
             bootstrap,
             events_topic(settings.topic_prefix),
@@ -48,6 +46,6 @@ __all__ = [
     "SendResult",
     "Transport",
     "TransportUnavailable",
-    "local_stack_bootstrap",
     "make_transport",
+    "no_broker_configured",
 ]

@@ -23,7 +23,7 @@ class Envelope(NamedTuple):
     key: bytes
     """Kafka message key: the session id, UTF-8."""
     value: bytes
-    """The event as :func:`flywheel.contracts.dump_event` wrote it."""
+    """The event as :func:`flywheel.core.contracts.dump_event` wrote it."""
 
 
 @dataclass(frozen=True)

@@ -169,8 +169,10 @@ class KafkaTransport(Transport):
             return self._bootstrap
         try:
             return self._bootstrap()
-        except LookupError as err:  # StackNotRunning: no configured broker and no local stack
-            raise NoBrokerConfigured(f"{err}; for the SDK: FLYWHEEL_KAFKA_BOOTSTRAP=host:port") from err
+        except LookupError as err:  # no broker configured: a person has to say where Kafka is
+            raise NoBrokerConfigured(
+                f"{err}: set FLYWHEEL_KAFKA_BOOTSTRAP=host:port or pass kafka_bootstrap= to Flywheel()"
+            ) from err
 
     def _discard(self) -> None:
         """Drop the producer after a failure, abandoning what it still holds (it is spooled)."""

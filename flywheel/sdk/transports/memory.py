@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from flywheel.contracts.events import Event, parse_event
+from flywheel.core.contracts.events import Event, parse_event
 from flywheel.sdk.transports.base import Envelope, SendResult, Transport, failed
 
 

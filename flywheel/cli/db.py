@@ -10,7 +10,7 @@ app = typer.Typer(no_args_is_help=True)
 def _url(url: str | None) -> str:
     if url:
         return url
-    from flywheel.db.engine import default_url
+    from flywheel.core.db.engine import default_url
 
     return default_url()
 
@@ -21,7 +21,7 @@ def upgrade(
     url: str = typer.Option(None, help="Database URL (default: settings, else the local stack)."),
 ) -> None:
     """Apply migrations (``alembic upgrade``)."""
-    from flywheel.db import migrate
+    from flywheel.core.db import migrate
 
     target = _url(url)
     migrate.upgrade(target, revision)
@@ -34,7 +34,7 @@ def downgrade(
     url: str = typer.Option(None, help="Database URL (default: settings, else the local stack)."),
 ) -> None:
     """Roll migrations back (``alembic downgrade``)."""
-    from flywheel.db import migrate
+    from flywheel.core.db import migrate
 
     target = _url(url)
     migrate.downgrade(target, revision)
@@ -44,6 +44,6 @@ def downgrade(
 @app.command()
 def current(url: str = typer.Option(None, help="Database URL.")) -> None:
     """Print the database's revision."""
-    from flywheel.db import migrate
+    from flywheel.core.db import migrate
 
     typer.echo(migrate.current(_url(url)) or "base (empty)")

@@ -20,8 +20,8 @@ def session_factory(url: str) -> sessionmaker:
 
 
 def default_url() -> str:
-    """The database URL from settings, or from the running local stack."""
-    from flywheel.config import get_settings
-    from flywheel.stack.endpoints import postgres_url
+    """The database URL from settings."""
+    from flywheel.core.endpoints import postgres_url
+    from flywheel.core.settings import get_settings
 
     return postgres_url(get_settings())

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from flywheel.contracts.ids import uuid7
+from flywheel.core.contracts.ids import uuid7
 
 SCHEMA_VERSION = 1
 """The schema version this code writes."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from flywheel.db.models import ApiKey
+    from flywheel.core.db.models import ApiKey
 
 WRITE_KEY_PREFIX = "fwk_"
 """Prefix of gateway write keys."""
@@ -115,7 +115,7 @@ def create_key(
     Writers get the ``fwk_`` prefix and need a project; other roles get ``fwo_``.
     The caller commits the session.
     """
-    from flywheel.db.models import ApiKey
+    from flywheel.core.db.models import ApiKey
 
     if role not in ROLES:
         raise ValueError(f"role: must be one of {', '.join(ROLES)} (got {role!r})")
@@ -138,7 +138,7 @@ def find_key(session: Session, token: str, *, touch: bool = False) -> KeyInfo | 
     """
     from sqlalchemy import select
 
-    from flywheel.db.models import ApiKey
+    from flywheel.core.db.models import ApiKey
 
     token_hash = hash_token(token)
     row = session.scalars(select(ApiKey).where(ApiKey.token_hash == token_hash)).one_or_none()
@@ -153,7 +153,7 @@ def list_keys(session: Session, *, role: str | None = None, project: str | None 
     """Every key (newest first), optionally of one role and/or project; never the tokens."""
     from sqlalchemy import select
 
-    from flywheel.db.models import ApiKey
+    from flywheel.core.db.models import ApiKey
 
     query = select(ApiKey).order_by(ApiKey.id.desc())
     if role is not None:
@@ -165,7 +165,7 @@ def list_keys(session: Session, *, role: str | None = None, project: str | None 
 
 def revoke_key(session: Session, key_id: int) -> KeyInfo:
     """Mark key ``key_id`` revoked (idempotent: a revoked key keeps its first revocation time)."""
-    from flywheel.db.models import ApiKey
+    from flywheel.core.db.models import ApiKey
 
     row = session.get(ApiKey, key_id)
     if row is None:

@@ -1,6 +1,6 @@
 """Typed, versioned contracts for everything that crosses a process boundary."""
 
-from flywheel.contracts.events import (
+from flywheel.core.contracts.events import (
     SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
     Completion,
@@ -26,7 +26,7 @@ from flywheel.contracts.events import (
     event_json_schema,
     parse_event,
 )
-from flywheel.contracts.ids import uuid7
+from flywheel.core.contracts.ids import uuid7
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -14,7 +14,7 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "docs" / "schema" / "events.
 
 def render_schema() -> str:
     """The JSON Schema of every event, as committed under docs/schema/."""
-    from flywheel.contracts import event_json_schema
+    from flywheel.core.contracts import event_json_schema
 
     return json.dumps(event_json_schema(), indent=2, sort_keys=True) + "\n"
 
@@ -30,7 +30,7 @@ def export(path: Path = typer.Option(SCHEMA_PATH, help="Where to write the schem
 @app.command("validate")
 def validate(file: Path = typer.Argument(..., help="A JSON file with one event, or a JSON-lines file.")) -> None:
     """Validate events from a file; exit 1 naming the field of the first bad one."""
-    from flywheel.contracts import ContractError, parse_event
+    from flywheel.core.contracts import ContractError, parse_event
 
     bad = 0
     for n, line in enumerate(file.read_bytes().splitlines(), start=1):

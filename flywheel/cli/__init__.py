@@ -1,20 +1,29 @@
-"""The ``flywheel`` command-line tool.
+"""The ``flywheel`` command-line tool: the composition root.
 
 Each command group lives beside the code it drives and is imported lazily, so
 ``flywheel --help`` stays instant (no torch, no vLLM, no SQLAlchemy at import).
+
+The roles read every endpoint from their settings alone. When the local development
+stack runs (``flywheel up``), :func:`main` passes its endpoints to the commands through
+the environment, as a deployment would (variables already set win); ``flywheel env``
+prints the same variables for a service started by hand.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from flywheel.contracts.cli import app as contracts_app
-from flywheel.db.cli import app as db_app
+from flywheel.cli.contracts import app as contracts_app
+from flywheel.cli.db import app as db_app
 from flywheel.model.cli import app as model_app
 from flywheel.stack.cli import down_command, up_command
+from flywheel.stack.cli import status_command as stack_status
 from ingest.cli import app as ingest_app
 from ingest.cli import keys_app
 from rewarding.main import app as rewards_app
+from serving.admin_cli import TOKEN_OPTION, URL_OPTION, fleet_status
 from serving.admin_cli import register as register_serving
 from trainer.main import app as trainer_app
 
@@ -26,8 +35,7 @@ app = typer.Typer(
 )
 app.command("up")(up_command)
 app.command("down")(down_command)
-# checkpoints, deploy, promote, rollback, canary, audit, tokens (through the admin API), and
-# status: the stack's components (as `flywheel up` reports them), then the fleet.
+# checkpoints, deploy, promote, rollback, canary, audit, tokens (through the admin API).
 register_serving(app)
 app.add_typer(model_app, name="model", help="Build the project's small base model.")
 app.add_typer(db_app, name="db", help="Database migrations.")
@@ -54,8 +62,6 @@ def demo(
     smoke: bool = typer.Option(False, help="Only the stack smoke run (every component answers), no learning loop."),
 ) -> None:
     """Run the main job: the flywheel learns from its own traffic, live, then a summary and a report."""
-    from pathlib import Path
-
     if smoke:
         from flywheel.demo import run_smoke
 
@@ -82,8 +88,81 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command("status")
+def status_command(
+    stack: bool = typer.Option(True, "--stack/--no-stack", help="Show the local stack's components."),
+    fleet: bool = typer.Option(True, "--fleet/--no-fleet", help="Show the fleet, trainer and canary (admin API)."),
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print the fleet section as the API's JSON."),
+) -> None:
+    """The local stack (what runs where, healthy or not), then the fleet through the admin API.
+
+    Exit 1: a stack component is unhealthy or the API refused; exit 2: the admin API is unreachable.
+    """
+    code = 0
+    if stack:
+        try:
+            stack_status()
+        except typer.Exit as exit_:
+            code = max(code, int(exit_.exit_code or 0))
+    if fleet:
+        fleet_code = fleet_status(token, url, as_json)
+        if fleet_code:
+            raise typer.Exit(max(code, fleet_code))
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("env")
+def env_command() -> None:
+    """Print ``export FLYWHEEL_...=...`` lines naming the running local stack's components.
+
+    For a service started by hand against the local stack: ``eval "$(flywheel env)"``.
+    """
+    import shlex
+
+    from flywheel.stack.endpoints import endpoint_env
+
+    variables = endpoint_env()
+    if not variables:
+        typer.echo("no local stack is running and no endpoint is configured: run `flywheel up`", err=True)
+        raise typer.Exit(1)
+    for name, value in sorted(variables.items()):
+        typer.echo(f"export {name}={shlex.quote(value)}")
+
+
+# Commands that run a role's code against the infrastructure (not the stack's own commands,
+# which must tell a component they started from one configured elsewhere).
+ROLE_COMMANDS = frozenset({"ingest", "keys", "rewards", "train", "db"})
+
+
+def export_stack_endpoints(argv: list[str]) -> None:
+    """For a role's command, put the local stack's endpoints into the environment, unless already set.
+
+    Composition tells the roles where development services run, through the environment;
+    the roles themselves read settings alone. Without a stack nothing is added.
+    """
+    import os
+
+    if not argv or argv[0] not in ROLE_COMMANDS:
+        return
+    from flywheel.core.settings import get_settings
+    from flywheel.stack.endpoints import endpoint_env
+
+    if not (Path(get_settings().run_dir) / "stack.json").exists():
+        return
+    added = {k: v for k, v in endpoint_env().items() if k not in os.environ}
+    if added:
+        os.environ.update(added)
+        get_settings.cache_clear()
+
+
 def main() -> None:
     """Console-script entry point."""
+    import sys
+
+    export_stack_endpoints(sys.argv[1:])
     app()
 
 

@@ -1,0 +1,131 @@
+"""Typed settings for every Flywheel service.
+
+Environment variables are read here and nowhere else. Every field can be set as
+``FLYWHEEL_<SECTION>__<FIELD>`` (for example ``FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS``),
+or in a ``.env`` file in the working directory.
+
+A field left at ``None`` where an external service could be named means "the local
+stack provides it": ``flywheel up`` starts (or finds) the component and records where
+it lives in the run folder's ``stack.json``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from flywheel.core.settings.ingest import IngestSettings
+from flywheel.core.settings.kafka import KafkaSettings
+from flywheel.core.settings.model import ModelSettings
+from flywheel.core.settings.postgres import PostgresSettings
+from flywheel.core.settings.redis import RedisSettings
+from flywheel.core.settings.rewarding import (
+    AnnealSettings,
+    DetectorSettings,
+    GrmSettings,
+    OutcomeExtractorSettings,
+    OutcomeRule,
+    ParlSettings,
+    RetrievalSettings,
+    RewardingSettings,
+    RubricSettings,
+    ScoringSettings,
+    ShapingSettings,
+    ShiftBound,
+    SignalRule,
+    SummarySettings,
+    UserSignalSettings,
+)
+from flywheel.core.settings.serving import CanarySettings, ServingSettings
+from flywheel.core.settings.trainer import TrainerSettings
+from flywheel.core.settings.vllm import VllmSettings
+
+PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "password", "admin", ""}
+
+
+class Settings(BaseSettings):
+    """Root settings shared by every Flywheel process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+    )
+
+    environment: Literal["development", "test", "production"] = "development"
+    """Deployment kind; placeholder secrets are refused outside development and test."""
+    run_dir: Path = Path(".flywheel/run")
+    """Run folder of the local stack: logs, data of embedded servers, stack.json."""
+    secret_key: SecretStr = SecretStr("dev-only-secret")
+    """Key for signing and hashing tokens; must be a real secret in production."""
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    """Broker."""
+    postgres: PostgresSettings = Field(default_factory=PostgresSettings)
+    """Database."""
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    """Celery broker."""
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
+    """Serving fleet."""
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """Base model."""
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
+    """Ingest."""
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    """Trainer."""
+    rewarding: RewardingSettings = Field(default_factory=RewardingSettings)
+    """Rewarding."""
+    serving: ServingSettings = Field(default_factory=ServingSettings)
+    """Router, hot swap, canary controller and admin API."""
+
+    @model_validator(mode="after")
+    def _no_placeholder_secrets(self) -> Settings:
+        if self.environment == "production":
+            value = self.secret_key.get_secret_value()
+            if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-") or len(value) < 16:
+                raise ValueError(
+                    "secret_key: a placeholder or short secret is refused in production; "
+                    "set FLYWHEEL_SECRET_KEY to at least 16 random characters"
+                )
+        return self
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()
+
+
+__all__ = [
+    "AnnealSettings",
+    "CanarySettings",
+    "DetectorSettings",
+    "GrmSettings",
+    "IngestSettings",
+    "KafkaSettings",
+    "ModelSettings",
+    "OutcomeExtractorSettings",
+    "OutcomeRule",
+    "PLACEHOLDER_SECRETS",
+    "ParlSettings",
+    "PostgresSettings",
+    "RedisSettings",
+    "RetrievalSettings",
+    "RewardingSettings",
+    "RubricSettings",
+    "ScoringSettings",
+    "ServingSettings",
+    "Settings",
+    "ShapingSettings",
+    "ShiftBound",
+    "SignalRule",
+    "SummarySettings",
+    "TrainerSettings",
+    "UserSignalSettings",
+    "VllmSettings",
+    "get_settings",
+]

@@ -1,0 +1,122 @@
+"""Settings: serving: the router, hot swap, the canary controller, the admin API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class CanarySettings(BaseModel):
+    """The canary controller: traffic steps, sample sizes, the sequential test and guards.
+
+    The decision rule and the trade-offs behind these defaults are in
+    ``serving/canary/policy.py``; ``make bench-canary`` measures them (success rate 0.5,
+    200 seeds per scenario).
+    """
+
+    enabled: bool = True
+    """Whether the controller acts (``flywheel canary pause`` also stops it, through the audit log)."""
+    auto_deploy: bool = False
+    """Continuous deployment: when no canary runs, deploy the newest gated candidate trained from the stable."""
+    interval_s: float = Field(5.0, gt=0, le=3600)
+    """How often the controller reads the live rewards and decides."""
+    steps: list[float] = Field(default_factory=lambda: [0.05, 0.25, 0.5, 1.0], min_length=1, max_length=10)
+    """Canary traffic weights, in order; passing the last one below 1.0 promotes (a final 1.0 is the promotion)."""
+    min_samples_per_step: int = Field(100, ge=1)
+    """Scored canary sessions needed at a step before it may step up or promote."""
+    max_duration_s: float = Field(24 * 3600.0, gt=0)
+    """Longest a canary may run; then an inconclusive one is rolled back (an equal one needs ~16k scored sessions)."""
+    max_canary_sessions: int | None = Field(20_000, ge=1)
+    """Most scored canary sessions before an inconclusive canary is rolled back; None: no limit."""
+    alpha: float = Field(0.05, gt=0, lt=0.5)
+    """Error rate of the sequential test (false rollback of an equal canary, false promotion of a worse one)."""
+    non_inferiority_margin: float = Field(0.04, ge=0, le=1)
+    """How much worse (success rate) the canary may be and still be promoted; below the smallest drop never to ship."""
+    step_margin: float = Field(0.10, ge=0, le=1)
+    """Non-inferiority margin for stepping up from a step before the last (bounds the blast radius only)."""
+    regression_margin: float = Field(0.0, ge=0, le=1)
+    """The canary is a significant regression when the upper bound of (canary - stable) is below -regression_margin."""
+    metric: Literal["success", "reward"] = "success"
+    """The primary metric compared between canary and stable."""
+    success_threshold: float = Field(0.5, ge=-1e6, le=1e6)
+    """``success``: a session succeeded when its outcome component's value is at least this."""
+    reward_min: float = Field(0.0, ge=-1e6, le=1e6)
+    """``reward``: rewards are clipped to [reward_min, reward_max] and rescaled to [0, 1] for the bounded test."""
+    reward_max: float = Field(1.0, ge=-1e6, le=1e6)
+    """``reward``: upper end of the clipping range."""
+    variance: Literal["bound", "empirical"] = "bound"
+    """Confidence-sequence variance: Hoeffding's worst case (exact) or the plug-in sample variance (asymptotic)."""
+    cs_target_sessions: int = Field(1000, ge=1, le=10_000_000)
+    """Canary sample size where the confidence sequence is made tightest (the mixture's tuning)."""
+    guard_alpha: float = Field(0.01, gt=0, lt=0.5)
+    """Error rate of each guard metric's own sequential test."""
+    error_margin: float = Field(0.05, ge=0, le=1)
+    """Guard: roll back when the canary's failed-session rate is significantly more than this above stable's."""
+    latency_margin: float = Field(0.10, ge=0, le=1)
+    """Guard: rolls back when canary's share of sessions slower than stable's p95 is significantly this far above."""
+    latency_quantile: float = Field(0.95, gt=0.5, lt=1)
+    """Guard: the stable latency quantile (p95) that canary sessions are compared against."""
+    min_latency_reference: int = Field(50, ge=1)
+    """Guard: stable sessions with a latency needed before the latency quantile is trusted."""
+    detector_guards: list[str] = Field(
+        default_factory=lambda: ["tool_error_rate", "clarifying_rate", "edit_rate", "judge_disagreement_rate"]
+    )
+    """Reward-hacking detector metrics guarded, each with the margin ``rewarding.detectors.bounds[metric].max_abs``."""
+    hold_log_interval_s: float = Field(300.0, ge=0, le=86400)
+    """An unchanged ``hold`` decision is written to the audit log at most this often."""
+    hold_log_growth: float = Field(0.25, gt=0, le=100)
+    """A ``hold`` is also written when the canary's sample grew by this fraction since the last written decision."""
+
+    @model_validator(mode="after")
+    def _ranges(self) -> CanarySettings:
+        if any(not 0.0 < w <= 1.0 for w in self.steps) or self.steps != sorted(set(self.steps)):
+            raise ValueError(f"canary.steps must be increasing weights in (0, 1], got {self.steps}")
+        if self.reward_max <= self.reward_min:
+            raise ValueError("canary.reward_max must be above canary.reward_min")
+        return self
+
+
+class ServingSettings(BaseModel):
+    """The router (the only public ingress), the hot swap and the admin API."""
+
+    fleet: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Name of the fleet this process serves or manages."""
+    strategy: Literal["full", "lora"] = "full"
+    """How a checkpoint reaches replicas: full weights (reload) or a LoRA adapter."""
+    model_alias: str = Field("flywheel", min_length=1, max_length=128)
+    """Model name an agent may send to mean "whatever policy this fleet serves my session" (the router rewrites it)."""
+    router_host: str = "127.0.0.1"
+    """Address the router listens on."""
+    router_port: int = Field(18000, ge=1, le=65535)
+    """Port of the router."""
+    admin_host: str = "127.0.0.1"
+    """Address the admin API listens on."""
+    admin_port: int = Field(18090, ge=1, le=65535)
+    """Port of the admin API."""
+    admin_url: str | None = None
+    """Where the CLI finds the admin API; None: the local stack's, else admin_host:admin_port."""
+    refresh_s: float = Field(0.5, gt=0, le=60)
+    """How often the router re-reads the routing table (deployments, replica states)."""
+    health_interval_s: float = Field(1.0, gt=0, le=60)
+    """How often the router probes each replica."""
+    health_timeout_s: float = Field(2.0, gt=0, le=60)
+    """A probe slower than this fails."""
+    eject_after_failures: int = Field(2, ge=1, le=100)
+    """Consecutive failed probes (or connection errors) that eject a replica until it answers again."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Upstream timeout of one proxied request."""
+    max_attempts: int = Field(3, ge=1, le=10)
+    """Replicas tried for a request that has not started streaming."""
+    sticky_ttl_s: float = Field(6 * 3600.0, gt=0)
+    """How long the router remembers a session's policy version after its last request."""
+    sticky_max_sessions: int = Field(200_000, ge=100)
+    """Sessions remembered at most (least recently used forgotten first)."""
+    canary_replicas: int = Field(1, ge=1, le=64)
+    """Replicas swapped to a canary checkpoint under the full-weight strategy."""
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600)
+    """How long a swap waits for in-flight requests to finish before pausing with ``keep``."""
+    swap_timeout_s: float = Field(300.0, gt=0)
+    """Longest the reload of one replica may take."""
+    canary: CanarySettings = Field(default_factory=CanarySettings)
+    """The canary controller."""

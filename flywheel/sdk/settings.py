@@ -1,0 +1,52 @@
+"""What an agent product configures for the SDK: environment variables read here, nowhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SdkSettings(BaseSettings):
+    """What an agent product's process configures for the SDK (read by ``Flywheel()``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="ignore")
+
+    project: str | None = None
+    """Project (tenant) name; FLYWHEEL_PROJECT."""
+    write_key: SecretStr | None = None
+    """Write key for the HTTP gateway; FLYWHEEL_WRITE_KEY."""
+    transport: Literal["kafka", "http"] = "kafka"
+    """How events leave the process; FLYWHEEL_TRANSPORT."""
+    kafka_bootstrap: str | None = None
+    """Broker for the Kafka transport; FLYWHEEL_KAFKA_BOOTSTRAP (required by that transport)."""
+    topic_prefix: str = "flywheel"
+    """Topic prefix, as the services use it; FLYWHEEL_TOPIC_PREFIX."""
+    gateway_url: str = "http://127.0.0.1:18080"
+    """Gateway for the HTTP transport; FLYWHEEL_GATEWAY_URL."""
+    queue_size: int = Field(10_000, ge=1, le=10_000_000)
+    """In-memory queue bound; beyond it events go to the disk spool."""
+    batch_size: int = Field(500, ge=1, le=100_000)
+    """Most events the sender sends at once."""
+    linger_ms: int = Field(50, ge=0, le=60_000)
+    """Longest the sender waits to fill a batch."""
+    spool_dir: Path = Path(".flywheel/spool")
+    """Disk spool for when the queue is full or the broker unreachable."""
+    spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    """Spool bound; beyond it events are dropped, counted and logged."""
+    sample_rate: float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of sessions logged (decided per session id, deterministically)."""
+    redact: bool = True
+    """Apply the default PII redactor before anything leaves the process."""
+    http_timeout_s: float = Field(10.0, gt=0, le=300)
+    """Timeout of one request to the gateway (HTTP transport); a timed-out batch is retried later."""
+    kafka_connect_timeout_s: float = Field(2.0, gt=0, le=300)
+    """How long connecting to the broker may take before the attempt counts as failed (Kafka transport)."""
+    kafka_request_timeout_s: float = Field(5.0, gt=0, le=300)
+    """Timeout of one produce request, which bounds how long a batch waits for its acknowledgement."""
+    retry_backoff_max_s: float = Field(30.0, ge=0.5, le=3600)
+    """Longest wait between attempts while the transport is down (the backoff doubles from 0.5 s up to it)."""
+    exit_flush_timeout_s: float = Field(5.0, ge=0, le=600)
+    """How long the flush at interpreter exit waits; what is left stays in the spool for the next start."""
