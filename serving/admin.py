@@ -634,14 +634,14 @@ def _read_routes(router: APIRouter) -> None:
     @router.get("/status", response_model=StatusPublic, name="status.show")
     def status(request: Request) -> StatusPublic:
         """Fleet status plus the trainer's and the canary controller's pause flags."""
+        from flywheel.core.pause import pause_state
         from serving.canary.controller import canary_pause_state
         from serving.fleet import fleet_status
-        from trainer.registry import pause_state
 
         app_state = request.app.state
         fleet_ = _as_dict(fleet_status(app_state.engine, app_state.settings.serving.fleet))
         with Session(app_state.engine) as session:
-            trainer, canary = pause_state(session), canary_pause_state(session)
+            trainer, canary = pause_state(session, "trainer"), canary_pause_state(session)
         return StatusPublic(fleet=fleet_, trainer=_pause_public(trainer), canary_controller=_pause_public(canary))
 
     @router.get("/canary", response_model=CanaryStatusPublic, name="canary.show")
@@ -666,10 +666,10 @@ def _read_routes(router: APIRouter) -> None:
     @router.get("/trainer", response_model=PauseStatePublic, name="trainer.show")
     def trainer_status(request: Request) -> PauseStatePublic:
         """The trainer's pause flag."""
-        from trainer.registry import pause_state
+        from flywheel.core.pause import pause_state
 
         with Session(request.app.state.engine) as session:
-            return _pause_public(pause_state(session))
+            return _pause_public(pause_state(session, "trainer"))
 
     @router.get("/audit", response_model=AuditPage, name="audit.list")
     def audit(
@@ -784,10 +784,10 @@ def _operator_routes(router: APIRouter) -> None:
         return _deploy_result("deploy.rollback", actor, result)
 
     def _trainer_flag(request: Request, paused: bool, body: PauseRequest | None) -> PauseStatePublic:
-        from trainer.registry import set_paused
+        from flywheel.core.pause import set_paused
 
         with Session(request.app.state.engine) as session:
-            state = set_paused(session, paused, _actor(request), body.reason if body else None)
+            state = set_paused(session, "trainer", paused, _actor(request), body.reason if body else None)
         request.state.audited = True
         return _pause_public(state)
 

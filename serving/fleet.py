@@ -255,7 +255,7 @@ def ensure_fleet(
     ``urls`` default to :func:`flywheel.core.endpoints.vllm_urls`; each new replica is
     recorded with the version its ``/weight_info`` reports (``failed`` when it does not
     answer). A fleet without an active stable deployment gets the base checkpoint
-    (:func:`trainer.registry.register_base` of ``model_dir``, default: the built model of
+    (:func:`flywheel.model.register.register_base` of ``model_dir``, default: the built model of
     ``settings.model``) as one, weight 1.0. Idempotent; rows of known replicas are left to
     :func:`serving.deploy.reconcile`. While another deployment operation holds the fleet
     lock nothing is written (that operation owns the fleet) and the status is returned.
@@ -273,7 +273,7 @@ def ensure_fleet(
 
 
 def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str) -> None:
-    from trainer.registry import register_base
+    from flywheel.model.register import register_base
 
     fleet = settings.serving.fleet
     added: list[dict[str, Any]] = []

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flywheel.core.settings import Settings, TrainerSettings, get_settings
+from flywheel.model.register import register_base
 from trainer import registry
 from trainer.select import DataWindow, Sample, SelectionRules
 
@@ -133,7 +134,7 @@ def _run_locked(session: Session, key: str, trigger: str, settings: Settings) ->
         return CycleOutcome(cycle_id, "skipped", reason)
     cycle_id = registry.insert_cycle(session, key, trigger, "running", metrics={"phase": "select"})
     try:
-        base_id = registry.register_base(session, base_model_dir(settings))
+        base_id = register_base(session, base_model_dir(settings))
         removed = ckpt.sweep(Path(t.checkpoint_dir), set(registry.lineage(session)))
         if removed:
             log.warning("removed incomplete or unregistered checkpoint folders: %s", [p.name for p in removed])

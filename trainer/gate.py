@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from flywheel.task import arith
+from flywheel.model.eval import heldout_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -53,7 +53,7 @@ class GateDecision:
 
 def eval_key(config: GateConfig) -> str:
     """Cache key of one evaluation setup, e.g. ``arith-v1/heldout/n200/s1234/t1.0/m24``."""
-    return f"{arith.TASK_VERSION}/heldout/n{config.n}/s{config.seed}/t{config.temperature}/m{config.max_new_tokens}"
+    return heldout_key(config.n, config.seed, config.temperature, config.max_new_tokens)
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GateConfig) -> dict[str, Any]:

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import bindparam, func, or_, select, text, update
-from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.dialects.postgresql import JSONB
 
-from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, TrainingCycle
+from flywheel.core import pause
+from flywheel.core.db.models import Checkpoint, Deployment, TrainingCycle
+from flywheel.core.pause import PauseState
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
 LOCK_KEY = 0x466C_5754
 """Advisory lock id of the training cycle ('FlWT')."""
 ACTOR = "trainer"
-PAUSE_ACTION, RESUME_ACTION = "trainer.pause", "trainer.resume"
 WORKER_LOST = "worker lost"
 
 
@@ -59,45 +60,6 @@ def cycle_lock(engine: Engine) -> Iterator[bool]:
 
 
 # --------------------------------------------------------------------------- base and lineage
-
-
-def register_base(session: Session, model_dir: Path | str) -> str:
-    """Register the built base model as the root checkpoint (idempotent); return its id.
-
-    The id and policy version are the sidecar's ``base-<key8>``; the build-time held-out
-    evaluation is cached as the root's gate measurement.
-    """
-    from flywheel.model.build import read_sidecar
-    from flywheel.model.eval import DEFAULT_MAX_NEW_TOKENS
-    from trainer.gate import GateConfig, eval_key
-
-    model_dir = Path(model_dir).resolve()
-    sidecar = read_sidecar(model_dir)
-    held = sidecar.heldout
-    key = eval_key(
-        GateConfig(n=held.n, seed=held.seed, temperature=held.temperature, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
-    )
-    statement = (
-        insert(Checkpoint)
-        .values(
-            id=sidecar.policy_version,
-            policy_version=sidecar.policy_version,
-            parent_id=None,
-            base_model=str(model_dir),
-            path=str(model_dir),
-            format="full",
-            status="deployed",
-            status_reason="base model: what the fleet serves before any deployment",
-            n_samples=0,
-            config_hash=sidecar.build_key,
-            metrics={"build": {"build_key": sidecar.build_key, "param_count": sidecar.param_count}},
-            eval={"heldout": {key: held.model_dump() | {"source": "build"}}},
-        )
-        .on_conflict_do_update(index_elements=["id"], set_={"path": str(model_dir), "base_model": str(model_dir)})
-    )
-    session.execute(statement)
-    session.commit()
-    return sidecar.policy_version
 
 
 def lineage(session: Session) -> dict[str, tuple[str | None, str]]:
@@ -329,44 +291,14 @@ def cache_eval(session: Session, checkpoint_id: str, key: str, result: dict[str,
 # --------------------------------------------------------------------------- pause
 
 
-@dataclass(frozen=True)
-class PauseState:
-    """The trainer's pause flag: the newest pause/resume entry of the audit log."""
-
-    paused: bool
-    actor: str | None = None
-    at: datetime | None = None
-    reason: str | None = None
-
-
 def pause_state(session: Session) -> PauseState:
-    """Paused when the newest ``trainer.pause``/``trainer.resume`` audit entry is a pause."""
-    row = session.scalars(
-        select(AuditLog)
-        .where(AuditLog.action.in_((PAUSE_ACTION, RESUME_ACTION)), AuditLog.success.is_(True))
-        .order_by(AuditLog.id.desc())
-        .limit(1)
-    ).first()
-    if row is None:
-        return PauseState(paused=False)
-    return PauseState(row.action == PAUSE_ACTION, row.actor, row.at, (row.details or {}).get("reason"))
+    """The trainer's pause flag (:mod:`flywheel.core.pause`)."""
+    return pause.pause_state(session, "trainer")
 
 
 def set_paused(session: Session, paused: bool, actor: str, reason: str | None = None) -> PauseState:
     """Pause or resume the trainer: one append-only audit entry (before/after); returns the new state."""
-    before = pause_state(session)
-    session.add(
-        AuditLog(
-            actor=actor,
-            action=PAUSE_ACTION if paused else RESUME_ACTION,
-            target="trainer",
-            before={"paused": before.paused},
-            after={"paused": paused},
-            details={"reason": reason} if reason else {},
-        )
-    )
-    session.commit()
-    return pause_state(session)
+    return pause.set_paused(session, "trainer", paused, actor, reason)
 
 
 # --------------------------------------------------------------------------- retention

@@ -21,6 +21,17 @@ if TYPE_CHECKING:
 DEFAULT_EVAL_N = 200
 DEFAULT_EVAL_SEED = 1234
 DEFAULT_MAX_NEW_TOKENS = 24
+
+
+def heldout_key(n: int, seed: int, temperature: float, max_new_tokens: int) -> str:
+    """Cache key of one held-out evaluation setup, e.g. ``arith-v1/heldout/n200/s1234/t1.0/m24``.
+
+    A checkpoint's row keeps each held-out result under its key (``checkpoints.eval``), so a
+    policy is evaluated once per setup (the trainer's gate, the base model's build).
+    """
+    return f"{arith.TASK_VERSION}/heldout/n{n}/s{seed}/t{temperature}/m{max_new_tokens}"
+
+
 """Longest legitimate turn (``<calc>99*99</calc>``) is 11 tokens."""
 
 

@@ -17,8 +17,8 @@ was not a hold or held for another kind of reason (``collecting`` vs ``inconclus
 when the canary's sample grew by ``hold_log_growth`` (25 %) since, or when
 ``hold_log_interval_s`` (5 min) passed since. Non-hold decisions are always written.
 
-Pause: ``canary.pause`` / ``canary.resume`` audit entries, like the trainer's
-(:func:`trainer.registry.pause_state`); while the newest one is a pause the controller
+Pause: ``canary.pause`` / ``canary.resume`` audit entries, the same flag as the trainer's
+(:mod:`flywheel.core.pause`); while the newest one is a pause the controller
 reads nothing and decides nothing. ``canary.enabled = false`` does the same from the
 settings.
 """
@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from flywheel.core import pause
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment
+from flywheel.core.pause import PauseState
 from serving.canary.live import read_live
 from serving.canary.policy import Decision, decide
 
@@ -48,8 +50,6 @@ log = logging.getLogger(__name__)
 
 ACTOR = "canary-controller"
 DECISION_ACTION = "canary.decision"
-PAUSE_ACTION = "canary.pause"
-RESUME_ACTION = "canary.resume"
 
 Action = Callable[..., Any]
 
@@ -57,44 +57,14 @@ Action = Callable[..., Any]
 # --------------------------------------------------------------------------- pause
 
 
-@dataclass(frozen=True)
-class CanaryPauseState:
-    """The controller's pause flag: the newest ``canary.pause``/``canary.resume`` audit entry."""
-
-    paused: bool
-    actor: str | None = None
-    at: datetime | None = None
-    reason: str | None = None
+def canary_pause_state(session: Session) -> PauseState:
+    """The controller's pause flag (:mod:`flywheel.core.pause`)."""
+    return pause.pause_state(session, "canary")
 
 
-def canary_pause_state(session: Session) -> CanaryPauseState:
-    """Paused when the newest successful ``canary.pause``/``canary.resume`` audit entry is a pause."""
-    row = session.scalars(
-        select(AuditLog)
-        .where(AuditLog.action.in_((PAUSE_ACTION, RESUME_ACTION)), AuditLog.success.is_(True))
-        .order_by(AuditLog.id.desc())
-        .limit(1)
-    ).first()
-    if row is None:
-        return CanaryPauseState(paused=False)
-    return CanaryPauseState(row.action == PAUSE_ACTION, row.actor, row.at, (row.details or {}).get("reason"))
-
-
-def set_canary_paused(session: Session, paused: bool, actor: str, reason: str | None = None) -> CanaryPauseState:
+def set_canary_paused(session: Session, paused: bool, actor: str, reason: str | None = None) -> PauseState:
     """Pause or resume the canary controller: one append-only audit entry; returns the new state."""
-    before = canary_pause_state(session)
-    session.add(
-        AuditLog(
-            actor=actor,
-            action=PAUSE_ACTION if paused else RESUME_ACTION,
-            target="canary",
-            before={"paused": before.paused},
-            after={"paused": paused},
-            details={"reason": reason} if reason else {},
-        )
-    )
-    session.commit()
-    return canary_pause_state(session)
+    return pause.set_paused(session, "canary", paused, actor, reason)
 
 
 # --------------------------------------------------------------------------- reading

@@ -375,10 +375,10 @@ def dashboard_data(engine: Engine, settings: Settings, kafka: KafkaLagProbe | No
     """Everything ``GET /v1/dashboard`` answers (see the module docstring)."""
     from sqlalchemy.orm import Session
 
+    from flywheel.core.pause import pause_state
     from serving.canary.controller import canary_pause_state
     from serving.fleet import fleet_status
     from serving.overview import snapshot
-    from trainer.registry import pause_state
 
     fleet = settings.serving.fleet
     status = fleet_status(engine, fleet).to_dict()
@@ -392,7 +392,7 @@ def dashboard_data(engine: Engine, settings: Settings, kafka: KafkaLagProbe | No
         lag = {"rewarding": rewarding_lag(conn, settings), "trainer": trainer_lag(conn)}
         events = recent_events(conn)
     with Session(engine) as session:
-        trainer_pause, canary_pause = pause_state(session), canary_pause_state(session)
+        trainer_pause, canary_pause = pause_state(session, "trainer"), canary_pause_state(session)
     lag["kafka"] = kafka.get() if kafka is not None else _lag(None, "records", "not measured")
     return {
         "generated_at": now,

@@ -170,7 +170,7 @@ def add_checkpoint(
 
 @pytest.fixture(scope="module")
 def base_id(engine, base_model_dir: Path) -> str:
-    from trainer.registry import register_base
+    from flywheel.model.register import register_base
 
     with Session(engine) as session:
         return register_base(session, base_model_dir)
