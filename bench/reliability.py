@@ -358,7 +358,8 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
     growth = out.get("soak_max_rss_growth_pct")
     out["soak_ok"] = bool(
         out.get("soak_events_lost") == 0 and out.get("soak_events_duplicated") == 0
-        and out.get("soak_sdk_dropped") == 0 and out["soak_failed_requests"] == 0 and growth is not None and growth < 10.0
+        and out.get("soak_sdk_dropped") == 0 and out["soak_failed_requests"] == 0
+        and growth is not None and growth < 10.0
         and out.get("soak_backlog_bounded") and out.get("soak_sessions_scored") == out.get("soak_sessions_sent")
     )  # fmt: skip
     return out

@@ -378,7 +378,8 @@ def alternate(direct_url: str, router_url: str, model: str, concurrency: int, ma
 
 
 def router_vs_direct(direct_url: str, router_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The same load direct and through the router: at ``--concurrency`` (the figures) and at 1 (added latency alone)."""
+    """The same load direct and through the router: at ``--concurrency`` (the figures) and at 1
+    (added latency alone)."""
     run_load(direct_url, model, args.concurrency, args.max_tokens, 3.0)  # warm both paths
     run_load(router_url, model, args.concurrency, args.max_tokens, 3.0)
     direct, routed, cpu = alternate(

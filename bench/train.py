@@ -89,7 +89,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in batch["samples"]]
     print(
         f"batch: {len(rows)} samples, {sum(lengths)} tokens (mean {statistics.mean(lengths):.1f}, max {max(lengths)}), "
-        f"mean reward {statistics.mean(r['reward'] for r in rows):.3f}, sampled in {time.perf_counter() - started:.1f} s",
+        f"mean reward {statistics.mean(r['reward'] for r in rows):.3f}, "
+        f"sampled in {time.perf_counter() - started:.1f} s",
         flush=True,
     )
     results: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
@@ -101,7 +102,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                 result = run_subprocess(side, path, args)
                 results[side].append(result)
                 print(
-                    f"round {round_ + 1} {side:4s}: {result['tokens_per_s']:8.0f} tokens/s, peak {result['peak_mb']:7.1f} MB, "
+                    f"round {round_ + 1} {side:4s}: {result['tokens_per_s']:8.0f} tokens/s, "
+                    f"peak {result['peak_mb']:7.1f} MB, "
                     f"loss {result['first_loss']:+.4f} -> {result['last_loss']:+.4f}",
                     flush=True,
                 )

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:
-    from flywheel.sdk import AsyncSession, Flywheel, Session
+if TYPE_CHECKING:  # re-exported (redundant aliases): the names __getattr__ resolves at run time
+    from flywheel.sdk import AsyncSession as AsyncSession
+    from flywheel.sdk import Flywheel as Flywheel
+    from flywheel.sdk import Session as Session
 
 _SDK_EXPORTS = frozenset({"Flywheel", "Session", "AsyncSession"})
 

@@ -1,9 +1,10 @@
 """A small async client for an OpenAI-compatible judge endpoint (vLLM in production).
 
 A deadline per attempt (``timeout_s`` bounds the whole request, not each socket operation:
-a judge that trickles its answer still times out), retries with exponential backoff (on timeouts, connection errors, HTTP 429 and
-5xx), a concurrency limit and an in-process LRU cache keyed by the content hash of the
-request (model, prompt, sampling, answer format), so the same question is asked once.
+a judge that trickles its answer still times out), retries with exponential backoff (on
+timeouts, connection errors, HTTP 429 and 5xx), a concurrency limit and an in-process LRU
+cache keyed by the content hash of the request (model, prompt, sampling, answer format), so
+the same question is asked once.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from rewarding.detectors import DetectorReport
 
 EVENTS = Counter("flywheel_rewarding_events_total", "Events consumed, by outcome", ["outcome"])
-"""outcome: ``applied``, ``duplicate``, ``invalid`` (failed parse_event), ``unattached`` (feedback by completion id alone, attached and re-produced by ingest), ``key_mismatch``, ``partition_mismatch``."""
+"""outcome: ``applied``, ``duplicate``, ``invalid`` (failed parse_event), ``unattached`` (feedback by
+completion id alone, attached and re-produced by ingest), ``key_mismatch``, ``partition_mismatch``."""
 APPLIED = EVENTS.labels("applied")
 DUPLICATE = EVENTS.labels("duplicate")
 SESSIONS = Counter("flywheel_rewarding_sessions_total", "Scored sessions by store decision", ["decision", "reason"])

@@ -582,7 +582,8 @@ def tokens_revoke(
 
 
 def register(app: typer.Typer) -> None:
-    """Add the serving commands to the ``flywheel`` app (its ``status`` shows the fleet through :func:`fleet_status`)."""
+    """Add the serving commands to the ``flywheel`` app (its ``status`` shows the fleet through
+    :func:`fleet_status`)."""
     app.add_typer(checkpoints_app, name="checkpoints")
     app.command("deploy")(deploy_command)
     app.command("promote")(promote_command)

@@ -273,7 +273,8 @@ def deploy_canary(
             if current is not None:
                 raise DeployError(
                     "conflict",
-                    f"fleet {fleet!r} already has an active canary (deployment {current.id}, checkpoint {current.checkpoint_id})",
+                    f"fleet {fleet!r} already has an active canary "
+                    f"(deployment {current.id}, checkpoint {current.checkpoint_id})",
                 )
             stable = _require_stable(session, fleet)
             if stable.checkpoint_id == checkpoint_id:

@@ -34,7 +34,8 @@ class CheckpointView:
     deployed_as: str | None = None
     """``stable`` or ``canary`` while active."""
     canary_outcome: str | None = None
-    """How its last canary ended: ``promoted``, ``rolled_back``, ``failed`` (``active`` while running; None: never a canary)."""
+    """How its last canary ended: ``promoted``, ``rolled_back``, ``failed`` (``active`` while running;
+    None: never a canary)."""
 
 
 @dataclass
@@ -88,7 +89,8 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
         row = (
             conn.execute(
                 text(
-                    "SELECT id, status, reason, checkpoint_id, started_at, finished_at FROM training_cycles ORDER BY id DESC LIMIT 1"
+                    "SELECT id, status, reason, checkpoint_id, started_at, finished_at FROM training_cycles "
+                    "ORDER BY id DESC LIMIT 1"
                 )
             )
             .mappings()
@@ -132,7 +134,8 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
         )
         for c in conn.execute(
             text(
-                "SELECT id, policy_version, parent_id, status, created_at, eval FROM checkpoints ORDER BY created_at, id"
+                "SELECT id, policy_version, parent_id, status, created_at, eval FROM checkpoints "
+                "ORDER BY created_at, id"
             )
         ).mappings():
             heldout = _heldout(c["eval"])
@@ -166,7 +169,8 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
         row = (
             conn.execute(
                 text(
-                    "SELECT at, actor, action, details, success FROM audit_log WHERE action LIKE 'canary.%' ORDER BY id DESC LIMIT 1"
+                    "SELECT at, actor, action, details, success FROM audit_log WHERE action LIKE 'canary.%' "
+                    "ORDER BY id DESC LIMIT 1"
                 )
             )
             .mappings()

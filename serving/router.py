@@ -42,18 +42,18 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector, gene
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, select
 
+from flywheel.core.contracts import headers
 from flywheel.core.settings import ServingSettings, Settings
 from serving import routing
 from serving.routing import Decision, ReplicaHealth, ReplicaRow, RoutingTable, StickyTable
 
 log = logging.getLogger("flywheel.serving.router")
 
-SESSION_HEADER = "x-flywheel-session-id"
+SESSION_HEADER = headers.SESSION_ID
 """Request header naming the agent's session (sticky routing); else the body's ``user``."""
-POLICY_VERSION_HEADER = b"x-flywheel-policy-version"
-"""Response header: the policy version that produced the response."""
-REPLICA_HEADER = b"x-flywheel-replica"
-"""Response header: the replica (its URL) that served the request."""
+POLICY_VERSION_HEADER = headers.POLICY_VERSION.encode()
+REPLICA_HEADER = headers.REPLICA.encode()
+_SESSION_HEADER_BYTES = SESSION_HEADER.encode()
 MAX_BODY_BYTES = 1 << 20
 """Largest request body accepted (413 beyond)."""
 SSE_DONE = b"data: [DONE]"
@@ -364,7 +364,8 @@ class Router:
     # -- decisions ---------------------------------------------------------------------------
 
     def accepted_models(self) -> set[str]:
-        """Model names a request may name: the fleet's alias, the replicas' served names and every version in the table."""
+        """Model names a request may name: the fleet's alias, the replicas' served names and every
+        version in the table."""
         names = {self.settings.serving.model_alias, *(e.policy_version for e in self.table.deployments.values())}
         names.update(r.policy_version for r in self.table.replicas if r.policy_version)
         for ids in self.models.values():
@@ -598,7 +599,10 @@ def splice_tag(data: bytes, tag: bytes) -> bytes:
 
 def sse_error(attempt: _Attempt, err: BaseException) -> bytes:
     """An SSE ``error`` event (what the openai client raises as an APIError) ending a broken stream."""
-    message = f"the replica {attempt.url} serving policy version {attempt.version} failed mid-stream: {type(err).__name__}: {err}"
+    message = (
+        f"the replica {attempt.url} serving policy version {attempt.version} failed mid-stream: "
+        f"{type(err).__name__}: {err}"
+    )
     return (
         b"data: "
         + json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}}).encode()
@@ -693,7 +697,7 @@ class RouterApp:
                         f"request body of {int(value)} bytes exceeds the limit of {MAX_BODY_BYTES}",
                         "request_too_large",
                     )
-            elif name == b"x-flywheel-session-id":
+            elif name == _SESSION_HEADER_BYTES:
                 session_id = value.decode("latin-1") or None
         raw = await _read_body(receive)
         try:

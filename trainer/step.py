@@ -305,7 +305,6 @@ def wrap_for_dist(module: torch.nn.Module, dist: DistInfo) -> torch.nn.Module:
         fully_shard(module)
         return module
     raise ValueError(f"unknown distributed strategy {dist.strategy!r}")
-    del torch
 
 
 def all_reduce(values: list[float], op: Literal["sum", "min", "max"], dist: DistInfo) -> list[float]:

@@ -170,7 +170,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     console.rule("[bold]Flywheel demo: the model learns from its own traffic")
     console.print("building (or reusing) the base model ...")
     model_dir = build_model(settings.model)
-    console.print("starting the stack (broker, Postgres, Redis, vLLM x%d) ..." % config.replicas)
+    console.print(f"starting the stack (broker, Postgres, Redis, vLLM x{config.replicas}) ...")
     up(settings, model_dir=model_dir)
     group: ServiceGroup | None = None
     agent: DemoAgent | None = None
@@ -321,7 +321,8 @@ def _inject_regression(engine: Any, settings: Settings, config: DemoConfig, agen
         with engine.connect() as conn:
             row = conn.execute(
                 text(
-                    "SELECT status FROM deployments WHERE checkpoint_id = :c AND role = 'canary' ORDER BY id DESC LIMIT 1"
+                    "SELECT status FROM deployments WHERE checkpoint_id = :c AND role = 'canary' "
+                    "ORDER BY id DESC LIMIT 1"
                 ),
                 {"c": checkpoint_id},
             ).first()
@@ -389,6 +390,7 @@ def _summary_table(snap: Any, summary: dict[str, Any]) -> Table:
         f"held-out {summary['base_success']:.1%} → {summary['final_success']:.1%} "
         f"({summary['gain_points']:+.1f} points) in {summary['minutes']:.1f} min; "
         f"{summary['promotions']} promoted, {summary['rollbacks']} rolled back, "
-        f"{summary['failed_requests']} failed requests; {json.dumps({k: v for k, v in summary.items() if k.startswith('regression_')})}"
+        f"{summary['failed_requests']} failed requests; "
+        f"{json.dumps({k: v for k, v in summary.items() if k.startswith('regression_')})}"
     )
     return table

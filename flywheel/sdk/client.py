@@ -272,7 +272,8 @@ class Scope:
         return Span(self._fw, self.session, self.span_id, role, assignment, span_id or f"span-{uuid7().hex[:16]}")
 
     def feedback(self, kind: FeedbackKind | str, **fields: Any) -> uuid.UUID | None:
-        """Feedback on this session (or, with ``completion_id=``, one of its completions); see :meth:`Flywheel.feedback`."""
+        """Feedback on this session (or, with ``completion_id=``, one of its completions);
+        see :meth:`Flywheel.feedback`."""
         return self._fw.feedback(self.session_id, kind, **fields)
 
     def outcome(self, name: str, value: float | bool, **fields: Any) -> uuid.UUID | None:
@@ -641,7 +642,8 @@ class Flywheel:
     # -- the OpenAI client ------------------------------------------------------------------
 
     def wrap_openai(self, client: C, *, request_token_data: bool = True) -> C:
-        """Log every chat / text completion of an ``openai.OpenAI`` or ``AsyncOpenAI`` client; see :mod:`flywheel.sdk.openai`."""
+        """Log every chat / text completion of an ``openai.OpenAI`` or ``AsyncOpenAI`` client;
+        see :mod:`flywheel.sdk.openai`."""
         from flywheel.sdk.openai import wrap
 
         return wrap(client, self, request_token_data=request_token_data)

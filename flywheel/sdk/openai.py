@@ -46,17 +46,16 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import openai
 from openai import AsyncStream, Stream
 
+from flywheel.core.contracts import headers
+
 if TYPE_CHECKING:
     from flywheel.sdk.client import Flywheel, Scope
 
 log = logging.getLogger("flywheel.sdk")
 
-POLICY_VERSION_HEADER = "x-flywheel-policy-version"
-"""Response header of the Flywheel router naming the policy version that produced the completion."""
-SESSION_HEADER = "x-flywheel-session-id"
-"""Request header the wrapper sends with the session id, so the router keeps a session on one policy version."""
-SERVED_BY_HEADER = "x-flywheel-replica"
-"""Response header of the Flywheel router naming the replica that served the request."""
+POLICY_VERSION_HEADER = headers.POLICY_VERSION
+SESSION_HEADER = headers.SESSION_ID
+SERVED_BY_HEADER = headers.REPLICA
 IDS_ATTRIBUTE = "_flywheel_completion_ids"
 """Private attribute set on a logged response: the completion ids, one per choice."""
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})

@@ -135,6 +135,7 @@ class Component(ABC):
 
     def on_ready(self, record: ComponentRecord) -> None:
         """Hook run once after the first healthy probe of a process we started."""
+        return None  # a default hook, not abstract: a component with nothing to do then keeps it
 
     def wait_ready(self, record: ComponentRecord, cancel: threading.Event | None = None) -> None:
         """Block until ``health`` is ok; raise :class:`ComponentFailed` on exit, timeout or cancel."""

@@ -43,7 +43,8 @@ def kafka_bootstrap(settings: Settings | None = None) -> str:
 
 
 def postgres_url(settings: Settings | None = None, database: str | None = None) -> str:
-    """SQLAlchemy URL of the project's database (or of ``database``); see :func:`flywheel.core.endpoints.postgres_url`."""
+    """SQLAlchemy URL of the project's database (or of ``database``);
+    see :func:`flywheel.core.endpoints.postgres_url`."""
     settings = settings or get_settings()
     if settings.postgres.url:
         return configured.postgres_url(settings, database)

@@ -16,7 +16,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from functools import lru_cache
 from typing import Literal
 
@@ -40,7 +40,7 @@ MAX_TOOL_DIGITS = 6
 """Largest operand (in digits) the tool accepts; longer ones are a malformed call."""
 
 _TOOL_CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(" + re.escape(TOOL_CLOSE) + r"|$)", re.DOTALL)
-_EXPR_RE = re.compile(r"\s*(-?\d{1,%d})\s*([+\-*])\s*(-?\d{1,%d})\s*" % (MAX_TOOL_DIGITS, MAX_TOOL_DIGITS))
+_EXPR_RE = re.compile(rf"\s*(-?\d{{1,{MAX_TOOL_DIGITS}}})\s*([+\-*])\s*(-?\d{{1,{MAX_TOOL_DIGITS}}})\s*")
 _ANSWER_RE = re.compile(r"\s*answer:\s*(-?\d{1,12})\s*", re.IGNORECASE)
 
 
@@ -334,7 +334,7 @@ def run_episodes(
 # --------------------------------------------------------------------------- demonstrations
 
 
-class Behaviour(str, Enum):
+class Behaviour(StrEnum):
     """Ways a synthetic demonstration solves (or fails) a problem; used for pre-training."""
 
     CORRECT = "correct"

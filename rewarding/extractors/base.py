@@ -94,3 +94,4 @@ class Extractor(ABC):
 
     async def aclose(self) -> None:
         """Release what the extractor holds (HTTP clients)."""
+        return None  # a default hook, not abstract: an extractor that calls nothing out holds nothing

@@ -26,7 +26,8 @@ class FullWeights(SwapStrategy):
     exclusive: ClassVar[bool] = True
 
     def load(self, url: str, target: Target, timeout_s: float) -> None:
-        """``reload_weights`` (the folder is checked locally first), ``update_weight_version``, reset the prefix cache."""
+        """``reload_weights`` (the folder is checked locally first), ``update_weight_version``,
+        reset the prefix cache."""
         vllm_admin.reload_weights(url, target.path, timeout_s=timeout_s)
         vllm_admin.update_weight_version(url, target.policy_version)
         if not reset_prefix_cache(url):

@@ -28,7 +28,8 @@ class LoraAdapter(SwapStrategy):
             return  # loaded before, or the base model itself (served under its policy version)
         if target.format != "lora":
             raise vllm_admin.CheckpointInvalid(
-                f"checkpoint {target.checkpoint_id} has format {target.format!r}: the lora strategy needs a LoRA adapter"
+                f"checkpoint {target.checkpoint_id} has format {target.format!r}: "
+                "the lora strategy needs a LoRA adapter"
             )
         body = {"lora_name": target.policy_version, "lora_path": str(target.path)}
         try:

@@ -88,8 +88,8 @@ def checkpoint(
 def reward(conn, sid: str, version: int, value: float, policy_version: str, ended_ago_min: float = 20.0) -> int:
     conn.execute(
         text(
-            "INSERT INTO sessions (project, session_id, ended_at, status) VALUES (:p, :s, now() - CAST(:m AS float8) * interval '1 minute', "
-            "'completed') ON CONFLICT DO NOTHING"
+            "INSERT INTO sessions (project, session_id, ended_at, status) "
+            "VALUES (:p, :s, now() - CAST(:m AS float8) * interval '1 minute', 'completed') ON CONFLICT DO NOTHING"
         ),
         {"p": PROJECT, "s": sid, "m": ended_ago_min},
     )
@@ -157,7 +157,8 @@ def world(engine, settings) -> dict[str, str]:
                     "INSERT INTO training_samples (project, session_id, completion_id, reward_id, reward_version, "
                     "policy_version, prompt_token_ids, completion_token_ids, loss_mask, behaviour_logprobs, reward, "
                     "components, created_at) VALUES (:p, 'k0', :c, :r, 1, 'c2', ARRAY[1], ARRAY[2], "
-                    "ARRAY[1]::smallint[], ARRAY[-0.1], 1.0, CAST('{}' AS jsonb), now() - CAST(:m AS float8) * interval '1 minute')"
+                    "ARRAY[1]::smallint[], ARRAY[-0.1], 1.0, CAST('{}' AS jsonb), "
+                    "now() - CAST(:m AS float8) * interval '1 minute')"
                 ),
                 {"p": PROJECT, "c": uuid.uuid4(), "r": sample_reward, "m": ago},
             )

@@ -94,7 +94,8 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
             seen["promoted"] = (
                 conn.execute(
                     text(
-                        "SELECT c.id, c.parent_id, c.eval, d.status FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
+                        "SELECT c.id, c.parent_id, c.eval, d.status "
+                        "FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
                         "WHERE d.role = 'canary' AND d.status = 'promoted' ORDER BY d.id LIMIT 1"
                     )
                 )
@@ -107,7 +108,8 @@ def test_short_loop_trains_gates_canaries_and_promotes(tmp_path: Path, request: 
                 for r in conn.execute(
                     text(
                         "SELECT started_at AS at, 'cycle ' || id, status || ': ' || coalesce(reason, ''), "
-                        "'tokens/s ' || coalesce(round((metrics->>'tokens_per_s')::numeric)::text, '-') FROM training_cycles "
+                        "'tokens/s ' || coalesce(round((metrics->>'tokens_per_s')::numeric)::text, '-') "
+                        "FROM training_cycles "
                         "UNION ALL SELECT at, action, target, details->>'reason' FROM audit_log "
                         "WHERE action LIKE 'deploy.%' OR action = 'canary.decision' ORDER BY 1"
                     )

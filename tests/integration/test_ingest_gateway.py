@@ -383,7 +383,8 @@ def test_generated_bad_input_never_gets_a_5xx_and_valid_events_in_the_batch_are_
         assert response.status_code in (400, 413), (raw[:40], response.status_code, response.text)
     found = on_topic(gateway, valid_sent, timeout_s=60)
     fault_figures(unit="events", sent=len(valid_sent), stored=len(valid_sent & set(found)),
-                  distinct=len(valid_sent & set(found)), bad_inputs=stats["bad"], server_errors=stats["server_errors"])  # fmt: skip
+                  distinct=len(valid_sent & set(found)), bad_inputs=stats["bad"],
+                  server_errors=stats["server_errors"])  # fmt: skip
     assert stats["server_errors"] == 0
     assert valid_sent <= set(found), f"{len(valid_sent - set(found))} accepted valid events are not on Kafka"
     assert stats["bad"] >= 60

@@ -70,7 +70,8 @@ def test_schema_enforces_invariants(empty_db):
             conn.execute(
                 text(
                     "INSERT INTO checkpoints (id, policy_version, base_model, path, format, status) "
-                    "VALUES ('c1', 'v1', 'base', '/x', 'full', 'candidate'), ('c2', 'v2', 'base', '/y', 'full', 'candidate')"
+                    "VALUES ('c1', 'v1', 'base', '/x', 'full', 'candidate'), "
+                    "('c2', 'v2', 'base', '/y', 'full', 'candidate')"
                 )
             )
             conn.execute(
@@ -100,7 +101,8 @@ def test_schema_enforces_invariants(empty_db):
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "INSERT INTO rewards (project, session_id, version, reward, components, extractor_versions, config_hash)"
+                    "INSERT INTO rewards "
+                    "(project, session_id, version, reward, components, extractor_versions, config_hash)"
                     " VALUES ('p', 's', 1, 0.5, '{}', '{}', 'h')"
                 )
             )

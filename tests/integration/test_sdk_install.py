@@ -43,7 +43,8 @@ def test_sdk_import_loads_no_service_modules():
     code = (
         "import sys, flywheel.core.contracts, flywheel.sdk;"
         "from flywheel import Flywheel;"
-        "heavy = [m for m in ('torch', 'vllm', 'sqlalchemy', 'fastapi', 'celery', 'faust', 'transformers') if m in sys.modules];"
+        "heavy = [m for m in ('torch', 'vllm', 'sqlalchemy', 'fastapi', 'celery', 'faust', 'transformers') "
+        "if m in sys.modules];"
         "print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -381,9 +383,6 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
 
 def _router_process(fleet: Fleet, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """The router as its own process (``flywheel-serving router``), configured through the environment."""
-    import subprocess
-    import sys
-
     from flywheel.stack.services import settings_env
 
     settings = router_settings(fleet)

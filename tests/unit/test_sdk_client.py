@@ -126,7 +126,8 @@ def test_spans_nest_and_carry_their_role(fw: Flywheel) -> None:
     starts = [e for e in events if isinstance(e, SpanStart)]
     ends = {e.span_id: e for e in events if isinstance(e, SpanEnd)}
     assert [(e.parent_span_id, e.role, e.assignment) for e in starts] == [
-        ("root", "subagent", "find the bug"), (starts[0].span_id, "critic", None), ("root", "subagent", "doomed")]  # fmt: skip
+        ("root", "subagent", "find the bug"), (starts[0].span_id, "critic", None),
+        ("root", "subagent", "doomed")]  # fmt: skip
     assert ends["critic-1"].result == "approved" and ends[starts[0].span_id].result == "bug in parser"
     assert ends[starts[2].span_id].status == "failed"
     completion = next(e for e in events if isinstance(e, Completion))

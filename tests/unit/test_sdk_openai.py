@@ -115,8 +115,8 @@ def test_parse_text_completion() -> None:
         }
     )
     (fields,) = parse_text_completion(response)
-    assert (fields["completion_text"], fields["completion_token_ids"], fields["logprobs"], fields["prompt_token_ids"]) == (
-        " 42", [52, 50], [-1.0, -0.1], [7, 8])  # fmt: skip
+    assert (fields["completion_text"], fields["completion_token_ids"], fields["logprobs"],
+            fields["prompt_token_ids"]) == (" 42", [52, 50], [-1.0, -0.1], [7, 8])  # fmt: skip
 
 
 def test_logprobs_are_kept_only_when_they_align() -> None:

@@ -26,7 +26,10 @@ def test_decision_is_deterministic_and_nested_across_rates() -> None:
 
 
 def test_another_process_takes_the_same_decision() -> None:
-    code = "from flywheel.sdk import is_sampled; print(''.join('1' if is_sampled(f'session-{i}', 0.5) else '0' for i in range(500)))"
+    code = (
+        "from flywheel.sdk import is_sampled; "
+        "print(''.join('1' if is_sampled(f'session-{i}', 0.5) else '0' for i in range(500)))"
+    )
     other = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
     assert other == "".join("1" if is_sampled(f"session-{i}", 0.5) else "0" for i in range(500))
 

@@ -116,7 +116,7 @@ def test_full_spool_drops_are_counted_and_warned(tmp_path, caplog: pytest.LogCap
     fw = Flywheel(project="spool", transport=transport, spool_dir=tmp_path, spool_max_bytes=20_000)
     s = fw.session("s-1")
     with caplog.at_level(logging.WARNING, logger="flywheel.sdk"):
-        for i in range(500):
+        for _ in range(500):
             s.tool_call("t", "x" * 100)
         wait_for(lambda: fw.stats.spooled + fw.stats.dropped == 501)
     stats = fw.stats

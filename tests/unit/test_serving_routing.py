@@ -192,8 +192,9 @@ async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:
     )
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-        for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info"), ("GET", "/metrics"),
-                             ("POST", "/v1/load_lora_adapter"), ("POST", "/tokenize"), ("GET", "/")]:  # fmt: skip
+        for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info"),
+                             ("GET", "/metrics"), ("POST", "/v1/load_lora_adapter"), ("POST", "/tokenize"),
+                             ("GET", "/")]:  # fmt: skip
             response = await client.request(method, path)
             assert response.status_code == 404 and "no route" in response.json()["error"]["message"], path
         assert (await client.get("/v1/completions")).status_code == 405

@@ -20,7 +20,7 @@ import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -52,7 +52,7 @@ EARLIEST_EVENT_TIME = datetime(2020, 1, 1, tzinfo=UTC)
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
 """An identifier: project, session id, policy version, outcome name, ..."""
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
-Scalar = Union[str, int, float, bool, None]
+Scalar = str | int | float | bool | None
 Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=128)], Scalar], Field(max_length=64)]
 """Flat key/value metadata: JSON scalars only, at most 64 keys (no nesting to abuse)."""
 
@@ -312,7 +312,8 @@ class ContextUpdate(EventBase):
     span: SpanRef = Field(default_factory=SpanRef)
     """Which agent's context changed."""
     kind: Literal["summary", "prune"]
-    """``summary``: earlier context replaced by a summary (Composer-style); ``prune``: chunks dropped (Context-1-style)."""
+    """``summary``: earlier context replaced by a summary (Composer-style); ``prune``: chunks dropped
+    (Context-1-style)."""
     summary: Text | None = None
     """The summary text, for ``summary``."""
     summary_completion_id: uuid.UUID | None = None

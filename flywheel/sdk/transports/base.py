@@ -83,6 +83,7 @@ class Transport(ABC):
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Release connections; pending sends may be abandoned after ``timeout_s``."""
+        return None  # a default hook, not abstract: a transport that holds no connection has nothing to release
 
 
 def done(batch_len: int) -> SendResult:
