@@ -1,0 +1,11 @@
+"""HTTP header names shared by the SDK, the router and the gateway (lower case, as HTTP/2 sends them)."""
+
+from __future__ import annotations
+
+SESSION_ID = "x-flywheel-session-id"
+"""Request header naming the agent's session: the router keeps a session on one policy version
+(sticky routing), and the SDK's openai wrapper sends it with every call."""
+POLICY_VERSION = "x-flywheel-policy-version"
+"""Response header of the router: the policy version that produced the response."""
+REPLICA = "x-flywheel-replica"
+"""Response header of the router: the replica (its URL) that served the request."""
