@@ -27,7 +27,7 @@ from flywheel.stack.base import (
     require_port_free,
     spawn,
 )
-from flywheel.stack.endpoints import DRIVER, ensure_database, libpq_conninfo, with_database
+from flywheel.core.endpoints import DRIVER, ensure_database, libpq_conninfo, with_database
 
 HOST = "127.0.0.1"
 EMBEDDED_OS_USER = "embedded_postgres"
