@@ -39,9 +39,10 @@ from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment
 from flywheel.core.settings import CanarySettings, Settings
-from flywheel.stack import endpoints, vllm_admin
+from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
+from serving import vllm_admin
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.browser]
 

@@ -30,9 +30,10 @@ from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint
 from flywheel.core.settings import Settings, get_settings
-from flywheel.stack import endpoints, vllm_admin
+from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
+from serving import vllm_admin
 from serving.admin import create_app
 from serving.fleet import ensure_fleet
 

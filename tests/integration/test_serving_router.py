@@ -33,9 +33,10 @@ from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
-from flywheel.stack import endpoints, vllm_admin
+from flywheel.stack import endpoints
 from flywheel.stack.base import load_state
 from flywheel.stack.stack import down, up
+from serving import vllm_admin
 from serving.router import Router, create_app, uvicorn_config
 
 pytestmark = pytest.mark.integration

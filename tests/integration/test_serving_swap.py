@@ -26,10 +26,11 @@ from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
-from flywheel.stack import endpoints, vllm_admin
+from flywheel.stack import endpoints
 from flywheel.stack.base import log_dir, log_tail
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
+from serving import vllm_admin
 from serving.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
 from serving.fleet import ensure_fleet, fleet_lock, fleet_status
 from serving.strategies import Target, get_strategy
