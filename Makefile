@@ -10,11 +10,12 @@ PY := $(VENV)/bin/python
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit up down status model bench-% lock clean help
+.PHONY: setup demo test test-unit lint up down status model bench-% lock clean help
 
 help:
 	@echo "make demo   - set up, start the local stack, run the main job, shut down"
-	@echo "make test   - set up, start what the tests need, run the whole test suite"
+	@echo "make test   - set up, start what the tests need, run the lint checks and the whole test suite"
+	@echo "make lint   - the layer contracts (lint-imports), ruff check and ruff format --check"
 	@echo "make up / make down / make status - the local stack alone"
 	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
 
@@ -44,9 +45,15 @@ status: setup
 demo: setup
 	$(FLYWHEEL) demo
 
+# The layers (import-linter contracts in pyproject.toml, see docs/architecture.md) and ruff.
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 # Tests start the real services they need themselves (broker, Postgres, Redis, vLLM),
 # in a temporary run folder on their own ports, and stop them at the end.
-test: setup
+test: setup lint
 	$(FLYWHEEL) model build
 	@scripts/ensure-chromium.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
