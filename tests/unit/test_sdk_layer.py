@@ -34,7 +34,10 @@ FORBIDDEN = (
 PROGRAM = """
 import json, sys
 opened = []
-sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(args[0], (str, bytes)) else None)
+def audit(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes)):
+        opened.append(str(args[0]))
+sys.addaudithook(audit)
 import flywheel.sdk
 from flywheel.sdk import Flywheel
 fw = Flywheel(project="p", transport="kafka", spool_dir=sys.argv[1], queue_size=10)
