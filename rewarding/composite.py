@@ -4,8 +4,9 @@
 value (nothing to say, or a recorded failure) is left out, never counted as zero. Terms an
 extractor gives one completion (``per_completion``) are added, weighted the same way, to
 that completion's sample only. The configuration hash covers everything that decides the
-numbers (weights, extractor settings, extractor versions) and nothing operational
-(endpoints, timeouts), so equal hashes and equal inputs mean equal rewards.
+numbers (weights, every registered extractor's settings, extractor versions) and nothing
+operational (endpoints, timeouts: an extractor's ``unhashed`` fields), so equal hashes and
+equal inputs mean equal rewards.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.core.settings import ScoringSettings
-from rewarding.extractors.base import Components
-
-OPERATIONAL_GRM_FIELDS = {"base_url", "api_key", "timeout_s", "retries", "retry_backoff_s", "concurrency", "cache_size"}
-"""Judge settings that change how it is reached, not what it answers."""
+from rewarding.extractors import Components, configured
 
 
 def effective_weights(scoring: ScoringSettings, task: str | None) -> dict[str, float]:
@@ -31,8 +29,15 @@ def effective_weights(scoring: ScoringSettings, task: str | None) -> dict[str, f
 
 
 def config_hash(scoring: ScoringSettings, versions: dict[str, str]) -> str:
-    """SHA-256 (hex, 64 characters) of the scoring configuration and the extractor versions."""
-    dump = scoring.model_dump(mode="json", exclude={"grm": OPERATIONAL_GRM_FIELDS})
+    """SHA-256 (hex, 64 characters) of the scoring configuration and the extractor versions.
+
+    The scoring settings are hashed as one object: its own fields, and under each registered
+    extractor's name that extractor's validated settings without its ``unhashed`` fields (the
+    same JSON as when these settings were fields of the scoring settings, so hashes carry over).
+    """
+    dump = scoring.model_dump(mode="json", exclude={"extractors"})
+    for name, extractor in configured(scoring).items():
+        dump[name] = extractor.settings.model_dump(mode="json", exclude=set(extractor.cls.unhashed))
     text = json.dumps({"scoring": dump, "versions": dict(sorted(versions.items()))}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -2,8 +2,10 @@
 
 ``worker`` runs the faust stream processor; ``recompute`` replays raw events into new
 reward versions; ``detectors`` prints the reward-hacking metrics per policy version;
-``check`` validates the configuration and prints its hash. Heavy imports (faust,
-SQLAlchemy) happen inside the commands, so ``--help`` is instant.
+``check`` validates the configuration and prints its hash. Heavy imports (the settings
+and pydantic, faust, SQLAlchemy) happen inside the commands, so ``--help`` is instant.
+A reward extractor that is unknown or misconfigured stops every command that scores, with
+an error naming it (exit code 2).
 """
 
 from __future__ import annotations
@@ -51,8 +53,14 @@ def _db_url(settings) -> str:
     return postgres_url(settings)
 
 
+def _refused(err: Exception) -> typer.Exit:
+    """A configuration error (a :class:`~flywheel.core.plugins.PluginError`) said plainly: exit code 2."""
+    typer.echo(f"error: {err}", err=True)
+    return typer.Exit(2)
+
+
 def build_worker(settings=None):
-    """The configured :class:`~rewarding.app.RewardingApp` (topics created, extractors built)."""
+    """The configured :class:`~rewarding.app.RewardingApp` (extractors built, then topics created)."""
     from flywheel.core.endpoints import kafka_bootstrap
     from flywheel.core.settings import get_settings
     from rewarding.app import RewardingApp
@@ -60,9 +68,9 @@ def build_worker(settings=None):
     from rewarding.topics import ensure_topics
 
     settings = settings or get_settings()
+    scorer = Scorer.from_settings(settings.rewarding, _judge_url(settings))  # a bad extractor fails first
     bootstrap = kafka_bootstrap(settings)
     topics = ensure_topics(settings, bootstrap)
-    scorer = Scorer.from_settings(settings.rewarding, _judge_url(settings))
     return RewardingApp(settings, bootstrap, _db_url(settings), scorer, topics)
 
 
@@ -76,10 +84,14 @@ def worker(
     mode.loop.use("uvloop")  # before faust creates its loop: faster than asyncio's default
     import faust
 
+    from flywheel.core.plugins import PluginError
     from flywheel.core.settings import get_settings
 
     settings = get_settings()
-    rewarding = build_worker(settings)
+    try:
+        rewarding = build_worker(settings)
+    except PluginError as err:
+        raise _refused(err) from err
     if settings.rewarding.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -95,12 +107,16 @@ def recompute(
     dry_run: bool = typer.Option(False, help="Only compare with the stored rewards; write nothing."),
 ) -> None:
     """Replay raw events from Postgres through the current extractors into new reward versions."""
+    from flywheel.core.plugins import PluginError
     from flywheel.core.settings import get_settings
     from rewarding.recompute import recompute as run
     from rewarding.scorer import Scorer
 
     settings = get_settings()
-    scorer = Scorer.from_settings(settings.rewarding, _judge_url(settings))
+    try:
+        scorer = Scorer.from_settings(settings.rewarding, _judge_url(settings))
+    except PluginError as err:
+        raise _refused(err) from err
 
     async def go():
         try:
@@ -133,18 +149,19 @@ def detectors(
 @app.command()
 def check() -> None:
     """Validate the scoring configuration; print the config hash, extractors and weights."""
+    from flywheel.core.plugins import PluginError
     from flywheel.core.settings import get_settings
     from rewarding.composite import config_hash
-    from rewarding.extractors import VERSIONS, needed
+    from rewarding.extractors import needed
+    from rewarding.extractors import versions as registered_versions
 
     settings = get_settings()
     scoring = settings.rewarding.scoring
-    names = sorted(needed(settings.rewarding))
-    unknown = sorted(set(names) - set(VERSIONS))
-    if unknown:
-        typer.echo(f"error: unknown extractors in weights: {unknown} (known: {sorted(VERSIONS)})", err=True)
-        raise typer.Exit(2)
-    versions = {n: VERSIONS[n] for n in names}
+    try:
+        known = registered_versions()
+        versions = {n: known[n] for n in needed(settings.rewarding)}
+    except PluginError as err:
+        raise _refused(err) from err
     typer.echo(
         json.dumps(
             {

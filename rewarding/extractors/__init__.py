@@ -1,89 +1,129 @@
-"""Reward extractors, one module each, and the factory that builds them from settings.
+"""Reward extractors: plug-ins found through the entry-point group ``flywheel.reward_extractors``.
 
-To add one: write ``rewarding/extractors/<name>.py`` with an :class:`Extractor` subclass
-(``name``, ``version``, ``extract``), give it a settings class in ``flywheel/core/settings/``
-under ``ScoringSettings``, add it to :data:`FACTORIES`, and give it a weight.
+An extractor is a subclass of :class:`Extractor` (``name``, ``version``, its own settings
+model ``Settings``, ``extract``), registered under its name in its distribution's metadata;
+the built-in ones are registered in this repository's ``pyproject.toml``, one module each
+here. Its settings section is ``rewarding.scoring.extractors.<name>``
+(``FLYWHEEL_REWARDING__SCORING__EXTRACTORS__<NAME>__<FIELD>``), validated against its
+``Settings``; a weight (``rewarding.scoring.weights`` or a task's) makes it run. An
+extractor outside this repository needs no edit here: see docs/rewards.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from flywheel.core.settings import RewardingSettings
-from rewarding.extractors.base import Components, Extractor, ExtractorError
-from rewarding.extractors.grm import GrmExtractor
-from rewarding.extractors.outcome import OutcomeExtractor
-from rewarding.extractors.parl import ParlExtractor
-from rewarding.extractors.retrieval import RetrievalExtractor
-from rewarding.extractors.shaping import ShapingExtractor
-from rewarding.extractors.summary import SummaryExtractor
-from rewarding.extractors.user_signal import UserSignalExtractor
-from rewarding.grm import JudgeClient, JudgeConfig
+from pydantic import BaseModel
 
-__all__ = ["Components", "Extractor", "ExtractorError", "FACTORIES", "VERSIONS", "build_extractors"]
+from flywheel.core.plugins import Group, PluginError, load, plugin_settings, registered
+from flywheel.core.settings import RewardingSettings, ScoringSettings
+from rewarding.extractors.base import (
+    SECTION,
+    BuildContext,
+    Components,
+    Extractor,
+    ExtractorConfigError,
+    ExtractorError,
+)
+
+__all__ = [
+    "GROUP",
+    "JudgeUrl",
+    "SECTION",
+    "BuildContext",
+    "Components",
+    "Configured",
+    "Extractor",
+    "ExtractorConfigError",
+    "ExtractorError",
+    "build_extractors",
+    "configured",
+    "extractor_class",
+    "needed",
+    "versions",
+]
+
+GROUP: Group = "flywheel.reward_extractors"
+"""The entry-point group of reward extractors."""
+
+RESERVED = frozenset(ScoringSettings.model_fields)
+"""Names an extractor may not take: the scoring settings' own fields (they share the config hash's keys)."""
 
 JudgeUrl = Callable[[], str]
-"""Returns the judge's base URL when the settings name none (the local stack's vLLM)."""
+"""Returns the judge's base URL when the settings name none (the first vLLM replica)."""
 
 
-def _grm(settings: RewardingSettings, judge_url: JudgeUrl) -> Extractor:
-    grm = settings.scoring.grm
-    if not grm.enabled:
-        raise ExtractorError("the grm extractor has a weight but scoring.grm.enabled is false")
-    config = JudgeConfig(
-        base_url=grm.base_url or judge_url(),
-        model=grm.model,
-        api_key=grm.api_key.get_secret_value() if grm.api_key else None,
-        timeout_s=grm.timeout_s,
-        retries=grm.retries,
-        retry_backoff_s=grm.retry_backoff_s,
-        concurrency=grm.concurrency,
-        cache_size=grm.cache_size,
-    )
-    return GrmExtractor(grm, JudgeClient(config))
+@dataclass(frozen=True)
+class Configured:
+    """A registered extractor's class and its validated settings."""
+
+    cls: type[Extractor]
+    settings: BaseModel
 
 
-FACTORIES: dict[str, Callable[[RewardingSettings, JudgeUrl], Extractor]] = {
-    "outcome": lambda s, _: OutcomeExtractor(s.scoring.outcome),
-    "user_signal": lambda s, _: UserSignalExtractor(s.scoring.user_signal),
-    "grm": _grm,
-    "shaping": lambda s, _: ShapingExtractor(s.scoring.shaping),
-    "parl": lambda s, _: ParlExtractor(s.scoring.parl, s.scoring.outcome),
-    "retrieval": lambda s, _: RetrievalExtractor(s.scoring.retrieval),
-    "summary": lambda s, _: SummaryExtractor(s.scoring.summary, s.scoring.outcome),
-}
-"""Extractor name -> factory."""
-
-VERSIONS: dict[str, str] = {
-    cls.name: cls.version
-    for cls in (
-        OutcomeExtractor,
-        UserSignalExtractor,
-        GrmExtractor,
-        ShapingExtractor,
-        ParlExtractor,
-        RetrievalExtractor,
-        SummaryExtractor,
-    )
-}
-"""Extractor name -> version of the code in this checkout."""
+def extractor_class(name: str) -> type[Extractor]:
+    """The extractor class registered as ``name``; :class:`ExtractorConfigError` naming it otherwise."""
+    try:
+        cls: Any = load(GROUP, name)
+    except PluginError as err:
+        raise ExtractorConfigError(str(err)) from err
+    where = registered(GROUP)[name].value
+    if not (isinstance(cls, type) and issubclass(cls, Extractor)):
+        raise ExtractorConfigError(f"reward extractor {name!r} ({where}) is not a subclass of Extractor")
+    if getattr(cls, "name", None) != name:
+        raise ExtractorConfigError(f"reward extractor registered as {name!r} ({where}) is named {cls.name!r}")
+    if not (isinstance(getattr(cls, "Settings", None), type) and issubclass(cls.Settings, BaseModel)):
+        raise ExtractorConfigError(f"reward extractor {name!r} ({where}) has no pydantic Settings model")
+    if name in RESERVED:
+        raise ExtractorConfigError(f"reward extractor {name!r} ({where}) takes a reserved name ({sorted(RESERVED)})")
+    return cls
 
 
-def needed(settings: RewardingSettings) -> set[str]:
-    """Extractors with a non-zero weight in the defaults or in any task's weights."""
-    scoring = settings.scoring
+def versions() -> dict[str, str]:
+    """Extractor name -> version, of every registered extractor."""
+    return {name: extractor_class(name).version for name in sorted(registered(GROUP))}
+
+
+def configured(scoring: ScoringSettings) -> dict[str, Configured]:
+    """Every registered extractor with its section of ``scoring.extractors`` validated (defaults where
+    there is none); a section of no registered extractor, or an invalid one, is refused."""
+    known = sorted(registered(GROUP))
+    strays = sorted(set(scoring.extractors) - set(known))
+    if strays:
+        raise ExtractorConfigError(f"{SECTION} has sections of unknown reward extractors {strays} (known: {known})")
+    out: dict[str, Configured] = {}
+    for name in known:
+        cls = extractor_class(name)
+        try:
+            settings = plugin_settings(cls.Settings, scoring.extractors.get(name), f"{SECTION}.{name}")
+        except PluginError as err:
+            raise ExtractorConfigError(str(err)) from err
+        out[name] = Configured(cls, settings)
+    return out
+
+
+def _needed(scoring: ScoringSettings, known: dict[str, Configured]) -> list[str]:
     names = {n for n, w in scoring.weights.items() if w != 0.0}
     for weights in scoring.task_weights.values():
         names |= {n for n, w in weights.items() if w != 0.0}
-    if not scoring.grm.enabled:
-        names.discard("grm")
-    return names
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ExtractorConfigError(
+            f"unknown reward extractors in rewarding.scoring weights: {unknown} (known: {sorted(known)})"
+        )
+    return sorted(n for n in names if known[n].cls.enabled(known[n].settings))
+
+
+def needed(settings: RewardingSettings) -> list[str]:
+    """Extractors with a non-zero weight in the defaults or in any task's weights, and enabled."""
+    return _needed(settings.scoring, configured(settings.scoring))
 
 
 def build_extractors(settings: RewardingSettings, judge_url: JudgeUrl) -> dict[str, Extractor]:
-    """Every extractor that some weight needs; an unknown name is refused (ExtractorError)."""
-    names = needed(settings)
-    unknown = sorted(names - set(FACTORIES))
-    if unknown:
-        raise ExtractorError(f"unknown extractor(s) in scoring weights: {unknown} (known: {sorted(FACTORIES)})")
-    return {name: FACTORIES[name](settings, judge_url) for name in sorted(names)}
+    """Every extractor that some weight needs; an unknown name or an invalid section is refused
+    (:class:`ExtractorConfigError`, a :class:`~flywheel.core.plugins.PluginError`)."""
+    known = configured(settings.scoring)
+    context = BuildContext(judge_url, {name: c.settings for name, c in known.items()})
+    return {name: known[name].cls.build(known[name].settings, context) for name in _needed(settings.scoring, known)}

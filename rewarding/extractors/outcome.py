@@ -9,9 +9,50 @@ later Outcome event makes a new reward version. For the calculator demo, ``task_
 
 from __future__ import annotations
 
-from flywheel.core.settings import OutcomeExtractorSettings, OutcomeRule
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
 from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.session_state import Session
+
+
+class OutcomeRule(BaseModel):
+    """How one named Outcome event's value maps to a reward."""
+
+    kind: Literal["bool", "linear", "threshold"] = "bool"
+    """``bool``: true/false values; ``linear``: scale * value + offset; ``threshold``: above/below a bound."""
+    true_value: float = Field(1.0, ge=-1e6, le=1e6)
+    """``bool``: reward of a true (or non-zero) value."""
+    false_value: float = Field(0.0, ge=-1e6, le=1e6)
+    """``bool``: reward of a false (or zero) value."""
+    scale: float = Field(1.0, ge=-1e6, le=1e6)
+    """``linear``: multiplier of the value."""
+    offset: float = Field(0.0, ge=-1e6, le=1e6)
+    """``linear``: added after scaling."""
+    threshold: float = Field(0.0, ge=-1e12, le=1e12)
+    """``threshold``: values at or above it earn ``above_value``."""
+    above_value: float = Field(1.0, ge=-1e6, le=1e6)
+    """``threshold``: reward at or above the threshold."""
+    below_value: float = Field(0.0, ge=-1e6, le=1e6)
+    """``threshold``: reward below the threshold."""
+    clip_min: float = Field(-1e6, ge=-1e6, le=1e6)
+    """Lowest reward this rule gives."""
+    clip_max: float = Field(1e6, ge=-1e6, le=1e6)
+    """Highest reward this rule gives."""
+
+
+def _default_outcome_rules() -> dict[str, OutcomeRule]:
+    return {"task_solved": OutcomeRule(), "tests_passed": OutcomeRule()}
+
+
+class OutcomeExtractorSettings(BaseModel):
+    """Verifiable outcomes (tests passed, task solved, a metric) mapped to reward."""
+
+    rules: dict[str, OutcomeRule] = Field(default_factory=_default_outcome_rules)
+    """Outcome name -> rule; outcomes without a rule are ignored (and listed in the components)."""
+    combine: Literal["mean", "min", "max", "sum"] = "mean"
+    """How the rewards of several configured outcomes in one session are combined."""
 
 
 def map_outcome(rule: OutcomeRule, value: float | bool) -> float:
@@ -51,6 +92,7 @@ class OutcomeExtractor(Extractor):
 
     name = "outcome"
     version = "1"
+    Settings = OutcomeExtractorSettings
 
     def __init__(self, settings: OutcomeExtractorSettings):
         self.settings = settings

@@ -20,14 +20,32 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from pydantic import BaseModel, Field
+
 from flywheel.core.contracts.events import Completion, SpanStart
-from flywheel.core.settings import OutcomeExtractorSettings, ParlSettings
-from rewarding.anneal import anneal_factor
-from rewarding.extractors.base import Components, Extractor, mean
-from rewarding.extractors.outcome import outcome_terms
+from rewarding.anneal import AnnealSettings, anneal_factor
+from rewarding.extractors.base import BuildContext, Components, Extractor, mean
+from rewarding.extractors.outcome import OutcomeExtractor, OutcomeExtractorSettings, outcome_terms
 from rewarding.session_state import Session
 
 ROOT = "root"
+
+
+class ParlSettings(BaseModel):
+    """Kimi K2.5 PARL: r_perf + lambda1 r_parallel + lambda2 r_finish, minus a critical-steps cost."""
+
+    perf_outcomes: list[str] = Field(default_factory=lambda: ["task_solved"], min_length=1)
+    """Outcomes (mapped by the outcome rules) that make r_perf."""
+    lambda_parallel: float = Field(0.1, ge=0.0, le=10.0)
+    """Initial coefficient of r_parallel (spawning sub-agents, against serial collapse)."""
+    lambda_finish: float = Field(0.1, ge=0.0, le=10.0)
+    """Initial coefficient of r_finish (sub-tasks completed, against pointless spawning)."""
+    parallel_cap: int = Field(4, ge=1, le=1024)
+    """Sub-agents at which r_parallel saturates at 1."""
+    critical_step_cost: float = Field(0.01, ge=0.0, le=10.0)
+    """Cost per critical step (longest chain through the sub-agent tree)."""
+    anneal: AnnealSettings = Field(default_factory=AnnealSettings)
+    """Schedule of lambda_parallel and lambda_finish."""
 
 
 def span_steps(session: Session) -> dict[str, int]:
@@ -69,10 +87,16 @@ class ParlExtractor(Extractor):
 
     name = "parl"
     version = "1"
+    Settings = ParlSettings
 
     def __init__(self, settings: ParlSettings, outcomes: OutcomeExtractorSettings):
         self.settings = settings
         self.outcomes = outcomes
+
+    @classmethod
+    def build(cls, settings: ParlSettings, context: BuildContext) -> ParlExtractor:
+        """r_perf maps outcomes by the outcome extractor's rules."""
+        return cls(settings, context.settings_of(OutcomeExtractor.name, OutcomeExtractorSettings))
 
     def extract(self, session: Session) -> Components:
         s = self.settings

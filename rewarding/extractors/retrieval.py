@@ -16,9 +16,33 @@
 
 from __future__ import annotations
 
-from flywheel.core.settings import RetrievalSettings
+from pydantic import BaseModel, Field
+
 from rewarding.extractors.base import Components, Extractor
 from rewarding.session_state import Session
+
+
+class RetrievalSettings(BaseModel):
+    """Chroma Context-1: F-beta over returned documents, credit for relevant ones seen, search penalties."""
+
+    returned_outcome: str = Field("retrieval_returned", min_length=1, max_length=128)
+    """Outcome whose ``document_ids`` are the documents the agent finally returned."""
+    gold_outcome: str = Field("retrieval_gold", min_length=1, max_length=128)
+    """Outcome whose ``document_ids`` are the gold (relevant) documents."""
+    beta: float = Field(4.0, gt=0.0, le=100.0)
+    """F-beta's beta: recall counts beta^2 times as much as precision."""
+    encountered_coef: float = Field(0.2, ge=0.0, le=10.0)
+    """Weight of the recall of gold documents seen in tool results, even if later pruned."""
+    free_prunes: int = Field(2, ge=0, le=10_000)
+    """Prune operations that cost nothing."""
+    prune_penalty: float = Field(0.05, ge=0.0, le=10.0)
+    """Penalty per prune operation beyond ``free_prunes``."""
+    search_tools: list[str] = Field(default_factory=lambda: ["search"])
+    """Tool names that count as search turns."""
+    max_search_turns: int = Field(8, ge=0, le=10_000)
+    """Search turns that cost nothing."""
+    search_turn_penalty: float = Field(0.02, ge=0.0, le=10.0)
+    """Penalty per search turn beyond ``max_search_turns``."""
 
 
 def f_beta(returned: set[str], gold: set[str], beta: float) -> tuple[float, float, float]:
@@ -50,6 +74,7 @@ class RetrievalExtractor(Extractor):
 
     name = "retrieval"
     version = "1"
+    Settings = RetrievalSettings
 
     def __init__(self, settings: RetrievalSettings):
         self.settings = settings

@@ -6,10 +6,26 @@ schedule takes them to zero so the final policy optimises task success alone.
 
 from __future__ import annotations
 
-from flywheel.core.settings import ShapingSettings
-from rewarding.anneal import anneal_factor
+from pydantic import BaseModel, Field
+
+from rewarding.anneal import AnnealSettings, anneal_factor
 from rewarding.extractors.base import Components, Extractor, mean
 from rewarding.session_state import Session
+
+
+class ShapingSettings(BaseModel):
+    """Auxiliary latency and length penalties, annealed to zero so task success alone is optimised."""
+
+    latency_coef: float = Field(0.02, ge=0.0, le=100.0)
+    """Penalty per second of mean completion latency above ``latency_free_s``."""
+    latency_free_s: float = Field(2.0, ge=0.0, le=3600.0)
+    """Mean completion latency that costs nothing."""
+    length_coef: float = Field(0.1, ge=0.0, le=100.0)
+    """Penalty per 1000 generated tokens above ``length_free_tokens``."""
+    length_free_tokens: int = Field(512, ge=0, le=10_000_000)
+    """Generated tokens per session that cost nothing."""
+    anneal: AnnealSettings = Field(default_factory=AnnealSettings)
+    """Schedule of both coefficients."""
 
 
 class ShapingExtractor(Extractor):
@@ -17,6 +33,7 @@ class ShapingExtractor(Extractor):
 
     name = "shaping"
     version = "1"
+    Settings = ShapingSettings
 
     def __init__(self, settings: ShapingSettings):
         self.settings = settings

@@ -16,11 +16,23 @@ The credit is added to that completion's sample only; the session reward is unch
 
 from __future__ import annotations
 
+from pydantic import BaseModel, Field
+
 from flywheel.core.contracts.events import Completion, ContextUpdate, Turn
-from flywheel.core.settings import OutcomeExtractorSettings, SummarySettings
-from rewarding.extractors.base import Components, Extractor
-from rewarding.extractors.outcome import combine, outcome_terms
+from rewarding.extractors.base import BuildContext, Components, Extractor
+from rewarding.extractors.outcome import OutcomeExtractor, OutcomeExtractorSettings, combine, outcome_terms
 from rewarding.session_state import Session
+
+
+class SummarySettings(BaseModel):
+    """Cursor Composer 2 self-summarisation: a summary inherits credit from how the session continued."""
+
+    credit_coef: float = Field(1.0, ge=0.0, le=10.0)
+    """Scale of the credit given to the completion that wrote a summary."""
+    baseline: float = Field(0.5, ge=-1e6, le=1e6)
+    """Downstream outcome that earns zero credit: better pushes the summary up, worse pushes it down."""
+    redo_penalty: float = Field(0.5, ge=0.0, le=10.0)
+    """Penalty times the share of later tool calls repeating one made before the summary (lost context)."""
 
 
 def tool_call_keys(events: tuple) -> list[tuple[str, str]]:
@@ -51,10 +63,16 @@ class SummaryExtractor(Extractor):
 
     name = "summary"
     version = "1"
+    Settings = SummarySettings
 
     def __init__(self, settings: SummarySettings, outcomes: OutcomeExtractorSettings):
         self.settings = settings
         self.outcomes = outcomes
+
+    @classmethod
+    def build(cls, settings: SummarySettings, context: BuildContext) -> SummaryExtractor:
+        """The downstream outcome is mapped and combined as the outcome extractor does it."""
+        return cls(settings, context.settings_of(OutcomeExtractor.name, OutcomeExtractorSettings))
 
     def extract(self, session: Session) -> Components:
         summaries = [c for c in session.contexts if c.kind == "summary" and c.summary_completion_id is not None]

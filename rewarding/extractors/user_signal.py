@@ -8,10 +8,43 @@ reward. The sum is clipped to ``[-clip, clip]``. No counted signal: no value.
 
 from __future__ import annotations
 
+from pydantic import BaseModel, Field
+
 from flywheel.core.contracts.events import Feedback, FeedbackKind
-from flywheel.core.settings import SignalRule, UserSignalSettings
 from rewarding.extractors.base import Components, Extractor
 from rewarding.session_state import Session
+
+
+class SignalRule(BaseModel):
+    """One user signal: its weight and the window in which it counts."""
+
+    weight: float = Field(0.0, ge=-100.0, le=100.0)
+    """Reward per occurrence (``edit``: per unit of edit ratio; ``score``: per unit of score)."""
+    window_s: float | None = Field(None, gt=0.0, le=365 * 86400.0)
+    """The signal counts only if it occurred within this many seconds after the session end; None: any time."""
+
+
+class UserSignalSettings(BaseModel):
+    """What the user did with the agent's work; each kind counts once per target (its latest occurrence)."""
+
+    accept: SignalRule = Field(default_factory=lambda: SignalRule(weight=1.0))
+    """The user accepted the work."""
+    reject: SignalRule = Field(default_factory=lambda: SignalRule(weight=-1.0))
+    """The user rejected it."""
+    revert: SignalRule = Field(default_factory=lambda: SignalRule(weight=-1.0, window_s=600.0))
+    """The user reverted it ("reverted within 10 minutes")."""
+    edit: SignalRule = Field(default_factory=lambda: SignalRule(weight=-0.5))
+    """The user changed part of it; the term is weight * edit_ratio."""
+    persisted: SignalRule = Field(default_factory=lambda: SignalRule(weight=0.5))
+    """The work survived unchanged for at least ``persisted_min_minutes``."""
+    persisted_min_minutes: float = Field(30.0, ge=0.0, le=525_600.0)
+    """How long the work must survive to count as persisted ("persisted after 30 minutes")."""
+    follow_up: SignalRule = Field(default_factory=lambda: SignalRule(weight=-0.5, window_s=3600.0))
+    """A dissatisfied follow-up (the user asked again or said it was wrong)."""
+    score: SignalRule = Field(default_factory=lambda: SignalRule(weight=0.0))
+    """A free score given by the user; the term is weight * score."""
+    clip: float = Field(2.0, gt=0.0, le=1e6)
+    """The summed signal is clipped to [-clip, clip], so stacking signals cannot run away."""
 
 
 def in_window(feedback: Feedback, session: Session, rule: SignalRule) -> bool:
@@ -26,6 +59,7 @@ class UserSignalExtractor(Extractor):
 
     name = "user_signal"
     version = "1"
+    Settings = UserSignalSettings
 
     def __init__(self, settings: UserSignalSettings):
         self.settings = settings

@@ -42,7 +42,7 @@ def settings(replica, **grm) -> RewardingSettings:
         "timeout_s": 60.0,
         **grm,
     }
-    return RewardingSettings.model_validate({"scoring": {"grm": judge}})
+    return RewardingSettings.model_validate({"scoring": {"extractors": {"grm": judge}}})
 
 
 def session(question: str = "What is 12+30?", answer: str = "answer: 42") -> Session:

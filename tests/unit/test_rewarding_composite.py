@@ -56,7 +56,7 @@ def test_config_hash_covers_numbers_not_operations() -> None:
     assert len(h) == 64 and h == config_hash(ScoringSettings(), {"outcome": "1"})
     assert h != config_hash(base, {"outcome": "2"})
     assert h != config_hash(base.model_copy(update={"weights": {"outcome": 2.0}}), {"outcome": "1"})
-    timeouts = base.model_copy(update={"grm": base.grm.model_copy(update={"timeout_s": 1.0, "base_url": "http://x"})})
+    timeouts = base.model_copy(update={"extractors": {"grm": {"timeout_s": 1.0, "base_url": "http://x"}}})
     assert h == config_hash(timeouts, {"outcome": "1"})
 
 

@@ -7,23 +7,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from flywheel.core.contracts.events import ToolCall
-from flywheel.core.settings import (
-    AnnealSettings,
-    OutcomeExtractorSettings,
-    OutcomeRule,
-    ParlSettings,
-    RetrievalSettings,
-    ShapingSettings,
-    SummarySettings,
-    UserSignalSettings,
-)
-from rewarding.anneal import anneal_factor
-from rewarding.extractors.outcome import OutcomeExtractor
-from rewarding.extractors.parl import ParlExtractor, critical_steps
-from rewarding.extractors.retrieval import RetrievalExtractor, f_beta
-from rewarding.extractors.shaping import ShapingExtractor
-from rewarding.extractors.summary import SummaryExtractor
-from rewarding.extractors.user_signal import UserSignalExtractor
+from rewarding.anneal import AnnealSettings, anneal_factor
+from rewarding.extractors.outcome import OutcomeExtractor, OutcomeExtractorSettings, OutcomeRule
+from rewarding.extractors.parl import ParlExtractor, ParlSettings, critical_steps
+from rewarding.extractors.retrieval import RetrievalExtractor, RetrievalSettings, f_beta
+from rewarding.extractors.shaping import ShapingExtractor, ShapingSettings
+from rewarding.extractors.summary import SummaryExtractor, SummarySettings
+from rewarding.extractors.user_signal import UserSignalExtractor, UserSignalSettings
 from rewarding.session_state import Session
 from rewarding.synthetic import SessionBuilder
 

@@ -13,8 +13,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flywheel.core.settings import GrmSettings, RubricSettings
-from rewarding.extractors.grm import GrmExtractor, RubricResult, aggregate, parse_score, transcript
+from rewarding.extractors.grm import (
+    GrmExtractor,
+    GrmSettings,
+    RubricResult,
+    RubricSettings,
+    aggregate,
+    parse_score,
+    transcript,
+)
 from rewarding.grm import JudgeClient, JudgeConfig, JudgeError
 from rewarding.session_state import Session
 from rewarding.synthetic import SessionBuilder

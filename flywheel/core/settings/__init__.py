@@ -23,23 +23,7 @@ from flywheel.core.settings.kafka import KafkaSettings
 from flywheel.core.settings.model import ModelSettings
 from flywheel.core.settings.postgres import PostgresSettings
 from flywheel.core.settings.redis import RedisSettings
-from flywheel.core.settings.rewarding import (
-    AnnealSettings,
-    DetectorSettings,
-    GrmSettings,
-    OutcomeExtractorSettings,
-    OutcomeRule,
-    ParlSettings,
-    RetrievalSettings,
-    RewardingSettings,
-    RubricSettings,
-    ScoringSettings,
-    ShapingSettings,
-    ShiftBound,
-    SignalRule,
-    SummarySettings,
-    UserSignalSettings,
-)
+from flywheel.core.settings.rewarding import DetectorSettings, RewardingSettings, ScoringSettings, ShiftBound
 from flywheel.core.settings.serving import CanarySettings, ServingSettings
 from flywheel.core.settings.trainer import TrainerSettings
 from flywheel.core.settings.vllm import VllmSettings
@@ -101,31 +85,20 @@ def get_settings() -> Settings:
 
 
 __all__ = [
-    "AnnealSettings",
     "CanarySettings",
     "DetectorSettings",
-    "GrmSettings",
     "IngestSettings",
     "KafkaSettings",
     "ModelSettings",
-    "OutcomeExtractorSettings",
-    "OutcomeRule",
     "PLACEHOLDER_SECRETS",
-    "ParlSettings",
     "PostgresSettings",
     "RedisSettings",
-    "RetrievalSettings",
     "RewardingSettings",
-    "RubricSettings",
     "ScoringSettings",
     "ServingSettings",
     "Settings",
-    "ShapingSettings",
     "ShiftBound",
-    "SignalRule",
-    "SummarySettings",
     "TrainerSettings",
-    "UserSignalSettings",
     "VllmSettings",
     "get_settings",
 ]
