@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,6 +72,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+from kafka.admin import KafkaAdminClient, NewTopic  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
 from flywheel.core.db import migrate  # noqa: E402
@@ -117,8 +121,6 @@ def private_stack(run_dir: Path) -> tuple[Settings, str, str]:
 
 
 def create_topic(bootstrap: str, name: str) -> None:
-    from kafka.admin import KafkaAdminClient, NewTopic
-
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         admin.create_topics([NewTopic(name, PARTITIONS, 1)])
@@ -142,8 +144,6 @@ def raw_consume(bootstrap: str, topic: str, sessions: int) -> tuple[float, float
     figure) from its first record to its last; third, the CPU milliseconds per session this
     process used meanwhile. The topic must hold exactly those sessions.
     """
-    from kafka import KafkaConsumer, TopicPartition
-
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     consumer.assign([TopicPartition(topic, p) for p in range(PARTITIONS)])
     consumer.seek_to_beginning()
@@ -184,10 +184,7 @@ def run_noop(bootstrap: str, topic: str, sessions: int, out: Path) -> None:
 
     Timed like the workers: from ``on_rebalance_complete`` (partitions held) to the last session end.
     """
-    import os
-    import signal
-
-    import faust
+    import faust  # only this subprocess runs faust (the benchmark's own process never imports it)
     import mode.loop
 
     mode.loop.use("uvloop")

@@ -22,7 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from sqlalchemy import text
+
 from flywheel.core.contracts.events import FeedbackKind
+from flywheel.core.db.engine import get_engine
 from flywheel.core.settings import DetectorSettings, ShiftBound
 from rewarding.extractors.base import Components
 from rewarding.session_state import Session
@@ -179,10 +182,6 @@ def detector_report(
     db_url: str, since: datetime, settings: DetectorSettings, baseline: str | None = None
 ) -> DetectorReport:
     """The detector metrics over the newest reward of every session rewarded since ``since``."""
-    from sqlalchemy import text
-
-    from flywheel.core.db.engine import get_engine
-
     with get_engine(db_url).connect() as conn:
         rows = [(r[0], r[1] or {}, r[2]) for r in conn.execute(text(LATEST_STATS_SQL), {"since": since})]
     policies = aggregate(rows)

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kafka import KafkaProducer
+
 from flywheel.core.contracts.events import EventBase, dump_event
 
 T = TypeVar("T")
@@ -151,8 +153,6 @@ def wait_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: 
 
 def make_producer(bootstrap: str):
     """A kafka-python producer as the SDK configures one (key = session id, acks=all)."""
-    from kafka import KafkaProducer
-
     return KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all", linger_ms=5)
 
 

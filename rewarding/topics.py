@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
 from flywheel.core.contracts.topics import events_topic, scored_topic
 from flywheel.core.settings import Settings
 
@@ -25,9 +28,6 @@ class Topics:
 
 def ensure_topics(settings: Settings, bootstrap: str) -> Topics:
     """Create the events and scored topics if missing; the events topic's real partition count."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
     prefix = settings.kafka.topic_prefix
     names = (events_topic(prefix), scored_topic(prefix))
     admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="flywheel-rewarding-topics")
