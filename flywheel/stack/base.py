@@ -56,9 +56,9 @@ class ComponentRecord(BaseModel):
     """Where one component runs; a row of ``stack.json``."""
 
     name: str
-    """Record key: ``broker``, ``postgres``, ``redis``, ``vllm-<i>``."""
+    """Record key: ``broker``, ``postgres``, ``redis``, ``vllm-<i>``, or a kept service's name (``router`` ...)."""
     kind: str
-    """Component kind: ``broker``, ``postgres``, ``redis`` or ``vllm``."""
+    """Component kind: ``broker``, ``postgres``, ``redis``, ``vllm``, or ``service`` (``flywheel demo --keep-up``)."""
     where: str
     """How clients reach it: bootstrap ``host:port``, SQLAlchemy URL or HTTP URL."""
     started_by_us: bool

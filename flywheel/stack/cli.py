@@ -57,17 +57,20 @@ def up_command(
 
 def down_command(
     only: str | None = typer.Option(
-        None, "--only", help="Comma-separated subset of broker,postgres,redis,vllm (default: all)."
+        None,
+        "--only",
+        help="Comma-separated subset of service,broker,postgres,redis,vllm (default: all); "
+        "service: the pipeline's services left running by `flywheel demo --keep-up`.",
     ),
 ) -> None:
-    """Stop the services the stack started (external ones are left running)."""
+    """Stop what the stack started, and the services a `flywheel demo --keep-up` left (external ones keep running)."""
     from rich.console import Console
 
     from flywheel.core.settings import get_settings
-    from flywheel.stack.stack import down, parse_components
+    from flywheel.stack.stack import DOWN_KINDS, down, parse_components
 
     try:
-        kinds = parse_components(only)
+        kinds = parse_components(only, DOWN_KINDS)
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint="--only") from err
     stopped = down(get_settings(), kinds)
@@ -75,7 +78,10 @@ def down_command(
 
 
 def status_command() -> None:
-    """Show what runs where and whether it is healthy (exit code 1 if anything is not)."""
+    """Show what runs where and whether it is healthy (exit code 1 if anything is not).
+
+    The pipeline's services are listed too while a `flywheel demo --keep-up` left them running.
+    """
     from flywheel.core.settings import get_settings
     from flywheel.stack.stack import status
 

@@ -10,6 +10,11 @@ service with SIGKILL and start it again):
 ...     group["ingest"].kill()  # SIGKILL, as a crash would
 ...     group["ingest"].start()
 
+A group's services may also outlive the process that started them (``flywheel demo
+--keep-up``): :meth:`ServiceGroup.records` describes the running ones as ``stack.json``
+rows of kind ``service`` (:func:`flywheel.stack.stack.keep_services` records them), which
+``flywheel status`` lists and ``flywheel down`` stops (:class:`ServiceComponent`).
+
 Each child reads its settings from the environment like any deployed service: the run
 folder (``FLYWHEEL_RUN_DIR``, where it finds the stack's ``stack.json``) and the overrides
 that :func:`settings_env` flattens into ``FLYWHEEL_<SECTION>__<FIELD>`` variables.
@@ -32,16 +37,26 @@ import httpx
 
 from flywheel.core.settings import Settings
 from flywheel.stack.base import (
+    Component,
     ComponentFailed,
+    ComponentRecord,
+    Health,
     log_tail,
+    now_iso,
     pid_alive,
     reap,
+    record_alive,
     spawn,
     terminate_group,
 )
 from flywheel.stack.endpoints import endpoint_env
 
 log = logging.getLogger(__name__)
+
+SERVICE_KIND = "service"
+"""Kind of a service's ``stack.json`` row (the infrastructure's are ``broker``, ``postgres``, ...)."""
+STOP_GRACE_S = 15.0
+"""How long a service gets to exit on SIGTERM before SIGKILL."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +85,9 @@ class Service:
         self.env = {**env, **spec.env}
         self.log_path = Path(log_dir) / f"{spec.name}.log"
         self.pid: int | None = None
+        self.pid_start_ticks: int | None = None
         self.started_at: float | None = None
+        self.started_iso: str | None = None
         self.restarts = 0
 
     @property
@@ -87,8 +104,8 @@ class Service:
             raise ComponentFailed(self.name, f"already running as pid {self.pid}", self.log_path)
         if self.pid is not None:
             self.restarts += 1
-        self.pid, _ = spawn(self.name, self.spec.argv, self.log_path, env=self.env)
-        self.started_at = time.monotonic()
+        self.pid, self.pid_start_ticks = spawn(self.name, self.spec.argv, self.log_path, env=self.env)
+        self.started_at, self.started_iso = time.monotonic(), now_iso()
 
     def wait_ready(self) -> None:
         """Block until the health URL answers 200 (or the process has settled); raise if it dies."""
@@ -128,7 +145,7 @@ class Service:
                 time.sleep(0.05)
             reap(self.pid)
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the process group, SIGKILL after ``grace_s``."""
         if self.pid is not None:
             terminate_group(self.pid, signal.SIGTERM, grace_s)
@@ -143,6 +160,22 @@ class Service:
     def tail(self, lines: int = 40) -> str:
         """The end of the service's log."""
         return log_tail(self.log_path, lines)
+
+    def record(self, index: int, source: str) -> ComponentRecord:
+        """This service as a ``stack.json`` row (kind ``service``); ``index`` is its place in the start order."""
+        url = self.spec.health_url.rsplit("/", 1)[0] if self.spec.health_url else None
+        return ComponentRecord(
+            name=self.name,
+            kind=SERVICE_KIND,
+            where=url or "-",
+            started_by_us=True,
+            source=source,
+            pid=self.pid,
+            pid_start_ticks=self.pid_start_ticks,
+            log_path=str(self.log_path),
+            started_at=self.started_iso,
+            extra={"index": index, "health_url": self.spec.health_url, "argv": list(self.spec.argv)},
+        )
 
 
 class ServiceGroup:
@@ -171,6 +204,10 @@ class ServiceGroup:
     def stop(self) -> None:
         for service in reversed(list(self)):
             service.stop()
+
+    def records(self, source: str) -> list[ComponentRecord]:
+        """The running services as ``stack.json`` rows, in start order (for ``flywheel demo --keep-up``)."""
+        return [service.record(i, source) for i, service in enumerate(self) if service.alive]
 
     def dead(self) -> list[str]:
         """Services that were started and are no longer running."""
@@ -201,6 +238,37 @@ class ServiceGroup:
         self.stop()
 
 
+class ServiceComponent(Component):
+    """A recorded service (:meth:`ServiceGroup.records`), as ``flywheel status`` and ``flywheel down`` see it.
+
+    The stack never starts one: a :class:`ServiceGroup` does (the demo's), and records the
+    services it leaves running.
+    """
+
+    kind = SERVICE_KIND
+
+    def start_or_locate(self) -> ComponentRecord:
+        raise ComponentFailed(self.name, "services are started by their service group (the demo), not by the stack")
+
+    def health(self, record: ComponentRecord) -> Health:
+        """Alive, and its health URL (router, admin API) answering 200."""
+        if not record_alive(record):
+            return Health(False, f"process {record.pid} is not running (see {record.log_path})")
+        url = record.extra.get("health_url")
+        if not url:
+            return Health(True, "running")
+        try:
+            response = httpx.get(url, timeout=2.0)
+        except httpx.HTTPError as err:
+            return Health(False, f"{url}: {type(err).__name__}")
+        if response.status_code != 200:
+            return Health(False, f"{url}: HTTP {response.status_code}")
+        return Health(True, "running, /health answers 200")
+
+    def stop(self, record: ComponentRecord, grace_s: float = STOP_GRACE_S) -> None:
+        super().stop(record, grace_s)
+
+
 def settings_env(settings: Settings, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, str]:
     """This process's environment plus what a child needs to see ``settings``' stack and ``overrides``.
 
@@ -208,7 +276,7 @@ def settings_env(settings: Settings, overrides: Mapping[str, Mapping[str, Any]] 
     services read settings alone, never the stack's ``stack.json``.
 
     ``overrides`` maps a settings section to field values, e.g.
-    ``{"trainer": {"schedule_seconds": 30}}`` → ``FLYWHEEL_TRAINER__SCHEDULE_SECONDS=30``;
+    ``{"trainer": {"mode": "lora"}}`` → ``FLYWHEEL_TRAINER__MODE=lora``;
     lists and nested models are passed as JSON, which pydantic-settings parses.
     """
     env = dict(os.environ)

@@ -6,6 +6,10 @@ recorded component is reused, a dead or mismatched one is replaced. When any
 component fails, everything this call started is stopped again and
 :class:`~flywheel.stack.base.ComponentFailed` is raised. ``down`` stops what the
 stack started (never an external or machine service) and forgets the rest.
+
+The pipeline's services that ``flywheel demo --keep-up`` leaves running are recorded
+too (:func:`keep_services`, kind ``service``): ``status`` lists them and ``down`` stops
+them first, before the infrastructure they use.
 """
 
 from __future__ import annotations
@@ -31,23 +35,26 @@ from flywheel.stack.base import (
 from flywheel.stack.broker import Broker
 from flywheel.stack.postgres import Postgres
 from flywheel.stack.redis import Redis
+from flywheel.stack.services import SERVICE_KIND, ServiceComponent
 from flywheel.stack.vllm import VllmReplica
 
 KINDS = ("broker", "postgres", "redis", "vllm")
 """Component kinds in display order; ``--only`` takes a comma-separated subset."""
+DOWN_KINDS = (SERVICE_KIND, *KINDS)
+"""What ``down`` may stop: the kept services (``service``) too, first."""
 
 
-def parse_components(components: Iterable[str] | str | None) -> tuple[str, ...]:
-    """Validate a component selection (None = all), keeping display order."""
+def parse_components(components: Iterable[str] | str | None, choices: tuple[str, ...] = KINDS) -> tuple[str, ...]:
+    """Validate a component selection (None = all ``choices``), keeping their order."""
     if components is None:
-        return KINDS
+        return choices
     if isinstance(components, str):
         components = [c for c in components.split(",")]
     wanted = {c.strip().lower() for c in components if c.strip()}
-    unknown = wanted - set(KINDS)
+    unknown = wanted - set(choices)
     if unknown:
-        raise ValueError(f"unknown component(s) {sorted(unknown)}; choose from {', '.join(KINDS)}")
-    return tuple(k for k in KINDS if k in wanted)
+        raise ValueError(f"unknown component(s) {sorted(unknown)}; choose from {', '.join(choices)}")
+    return tuple(k for k in choices if k in wanted)
 
 
 def up(
@@ -92,20 +99,41 @@ def up(
 def down(settings: Settings | None = None, components: Iterable[str] | str | None = None) -> list[str]:
     """Stop what the stack started (SIGTERM, SIGKILL after a grace period) and forget it.
 
+    ``components`` (default: all of :data:`DOWN_KINDS`) may name ``service``: the pipeline's
+    services kept running by ``flywheel demo --keep-up``, stopped before the infrastructure.
     External and machine services are forgotten but never stopped. Returns the names
     of the processes that were stopped.
     """
     settings = settings or get_settings()
-    kinds = parse_components(components)
+    kinds = parse_components(components, DOWN_KINDS)
     with _locked(settings):
         state = load_state(settings)
-        chosen = [r for r in state.components.values() if r.kind in kinds]
-        stopped = [r.name for r in chosen if r.started_by_us and record_alive(r)]
-        _stop_records(settings, chosen)
-        for record in chosen:
-            state.components.pop(record.name, None)
-        save_state(settings, state)
+        services = state.of_kind(SERVICE_KIND) if SERVICE_KIND in kinds else []
+        chosen = [r for r in state.components.values() if r.kind in kinds and r.kind != SERVICE_KIND]
+        stopped = [r.name for r in [*services, *chosen] if r.started_by_us and record_alive(r)]
+        for batch in (services, chosen):
+            _stop_records(settings, batch)
+            for record in batch:
+                state.components.pop(record.name, None)
+            save_state(settings, state)
     return stopped
+
+
+def keep_services(settings: Settings, records: Iterable[ComponentRecord]) -> None:
+    """Record services that outlive the process that started them (``flywheel demo --keep-up``).
+
+    ``records`` are :meth:`~flywheel.stack.services.ServiceGroup.records`; from now on
+    ``status`` lists them and ``down`` stops them. Raises :class:`ValueError` for a name
+    that an infrastructure component already uses.
+    """
+    with _locked(settings):
+        state = load_state(settings)
+        for record in records:
+            existing = state.components.get(record.name)
+            if record.kind != SERVICE_KIND or (existing is not None and existing.kind != SERVICE_KIND):
+                raise ValueError(f"{record.name}: not a service record, or the name of a stack component")
+            state.components[record.name] = record
+        save_state(settings, state)
 
 
 def status(settings: Settings | None = None) -> list[ComponentStatus]:
@@ -138,6 +166,18 @@ def status(settings: Settings | None = None) -> list[ComponentStatus]:
                     name=kind, where="-", started_by_us=False, healthy=False, detail="not up (run `flywheel up`)"
                 )
             )
+    for record in state.of_kind(SERVICE_KIND):  # only when kept running: no row otherwise
+        probe = ServiceComponent(settings, record.name).health(record)
+        rows.append(
+            ComponentStatus(
+                name=record.name,
+                where=record.where,
+                started_by_us=True,
+                healthy=probe.ok,
+                detail=probe.detail,
+                pid=record.pid,
+            )
+        )
     return rows
 
 
@@ -179,6 +219,8 @@ def _configured_records(settings: Settings, kind: str) -> list[ComponentRecord]:
 def _component_for(settings: Settings, record: ComponentRecord) -> Component:
     if record.kind == "vllm":
         return VllmReplica(settings, int(record.extra.get("index", 0)))
+    if record.kind == SERVICE_KIND:
+        return ServiceComponent(settings, record.name)
     return {"broker": Broker, "postgres": Postgres, "redis": Redis}[record.kind](settings)
 
 

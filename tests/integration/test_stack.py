@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 import redis
@@ -15,7 +18,14 @@ from typer.testing import CliRunner
 
 from flywheel.core.settings import get_settings
 from flywheel.stack import endpoints
-from flywheel.stack.base import ComponentFailed, StackNotRunning, pid_alive, port_open, spawned_alive
+from flywheel.stack.base import (
+    ComponentFailed,
+    StackNotRunning,
+    pid_alive,
+    port_open,
+    spawned_alive,
+    terminate_group,
+)
 from flywheel.stack.cli import register
 from flywheel.stack.stack import down, status, up
 
@@ -203,3 +213,79 @@ def test_cli_up_status_down(tmp_path, unused_port):
         assert "broker failed" in result.output and "already in use" in result.output
     finally:
         invoke("down")
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+KEEP_UP = """
+import sys
+from pathlib import Path
+from flywheel.core.settings import Settings
+from flywheel.stack.services import ServiceGroup, ServiceSpec
+from flywheel.stack.stack import keep_services
+
+run_dir, port, server = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+settings = Settings(run_dir=run_dir, environment="test")
+group = ServiceGroup(
+    [
+        ServiceSpec("sleeper", (sys.executable, "-c", "import time; time.sleep(600)"), settle_s=0.5),
+        ServiceSpec("web", (sys.executable, "-c", server, str(port)), health_url=f"http://127.0.0.1:{port}/health"),
+    ],
+    {},
+    Path(run_dir) / "logs",
+)
+group.start()
+keep_services(settings, group.records("demo"))
+print(" ".join(str(s.pid) for s in group))
+"""
+
+
+def test_kept_services_outlive_their_starter_until_down(tmp_path, unused_port):
+    """``flywheel demo --keep-up``'s hand-over: the services keep running after the process that
+    started them has exited, ``flywheel status`` lists them, ``flywheel down`` stops them."""
+    app = typer.Typer()
+    register(app)
+    run_dir, port = tmp_path / "run", unused_port()
+    env = {"FLYWHEEL_RUN_DIR": str(run_dir)}
+
+    def invoke(*args: str):
+        get_settings.cache_clear()
+        try:
+            return CliRunner().invoke(app, list(args), env=env)
+        finally:
+            get_settings.cache_clear()
+
+    starter = subprocess.run(
+        [sys.executable, "-c", KEEP_UP, str(run_dir), str(port), HEALTH_SERVER],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    pids = [int(p) for p in starter.stdout.split()]
+    try:
+        assert starter.returncode == 0, starter.stderr
+        assert len(pids) == 2 and all(pid_alive(pid) for pid in pids), "the services outlive their starter"
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+
+        result = invoke("status")
+        for name, pid in zip(("sleeper", "web"), pids, strict=True):
+            line = next((row for row in result.output.splitlines() if f" {name} " in row), "")
+            assert str(pid) in line and "yes" in line, result.output
+
+        result = invoke("down")
+        assert result.exit_code == 0 and "sleeper" in result.output and "web" in result.output, result.output
+        assert not any(pid_alive(pid) for pid in pids)
+        assert not port_open("127.0.0.1", port)
+        result = invoke("status")
+        assert "sleeper" not in result.output and "web" not in result.output, result.output
+    finally:
+        for pid in pids:
+            if pid_alive(pid):
+                terminate_group(pid, grace_s=2.0)
