@@ -1,13 +1,15 @@
 """``flywheel-ingest``: the consumer, the gateway, topics, write keys and the orphan report.
 
-Heavy modules (kafka-python, psycopg, SQLAlchemy, FastAPI) are imported inside the commands,
-so ``--help`` stays instant.
+Heavy modules (kafka-python, psycopg, SQLAlchemy, FastAPI, and the settings with
+pydantic-settings) are imported inside the commands and their helpers, so ``--help`` stays instant.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 
 import typer
 
@@ -67,9 +69,6 @@ def consume(
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Run one Kafka → Postgres consumer until SIGINT/SIGTERM (start more to scale out)."""
-    import signal
-    import threading
-
     from psycopg.errors import UndefinedTable
 
     from flywheel.core.endpoints import kafka_bootstrap

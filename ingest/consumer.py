@@ -32,11 +32,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
 from pydantic_core import from_json
 
 from flywheel.core.contracts.events import ContractError, Event, Feedback, parse_event, parse_event_fast
 from flywheel.core.contracts.ids import uuid7_time_ms
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
+from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
 from flywheel.core.settings import Settings
 from ingest import metrics
 from ingest.pending import ResolveResult, ResolveSettings, resolve_round
@@ -300,8 +304,6 @@ class IngestConsumer:
         """Monotonic time of the next round over pending feedback (0: as soon as possible)."""
 
     def _make_consumer(self):
-        from kafka import KafkaConsumer
-
         ingest = self.settings.ingest
         session_timeout = min(ingest.max_poll_interval_ms, 45_000)
         consumer = KafkaConsumer(
@@ -325,8 +327,6 @@ class IngestConsumer:
         return consumer
 
     def _make_producer(self):
-        from kafka import KafkaProducer
-
         return KafkaProducer(  # dead letters, and the resolved copies of unattached feedback
             bootstrap_servers=self.bootstrap.split(","),
             client_id=f"flywheel-ingest-{os.getpid()}",
@@ -427,8 +427,6 @@ class IngestConsumer:
 
     def resolve_pending(self) -> ResolveResult | None:
         """One round of :func:`ingest.pending.resolve_round`; a database or Kafka failure is retried next round."""
-        from kafka.errors import KafkaError
-
         try:
             result = resolve_round(self.writer.connection(), self.producer, self.topic, self.resolve_conf)
         except TRANSIENT_ERRORS as err:
@@ -457,8 +455,6 @@ class IngestConsumer:
 
     def publish_dead_letters(self, rows: Sequence[DeadLetterRow]) -> None:
         """Produce dead letters to the DLQ topic and wait for the broker's acks, retrying until it answers."""
-        from kafka.errors import KafkaError
-
         if not rows:
             return
         delays = backoff_delays()
@@ -480,10 +476,6 @@ class IngestConsumer:
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> bool:
         """Commit offsets of partitions still assigned; a refused commit means the records are re-read."""
-        from kafka import TopicPartition
-        from kafka.errors import KafkaError
-        from kafka.structs import OffsetAndMetadata
-
         assigned = self.consumer.assignment()
         to_commit = {
             TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
@@ -533,8 +525,6 @@ def run(
     settings: Settings, stop_event: threading.Event, *, bootstrap: str | None = None, db_url: str | None = None
 ) -> None:
     """Run one consumer until ``stop_event`` is set (the broker and database from settings or the local stack)."""
-    from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
-
     bootstrap = bootstrap or kafka_bootstrap(settings)
     conninfo = libpq_conninfo(db_url or postgres_url(settings))
     IngestConsumer(settings, bootstrap=bootstrap, conninfo=conninfo, stop_event=stop_event).run()

@@ -29,12 +29,18 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from flywheel.core.auth import KeyInfo, bearer_token, find_key, hash_token
 from flywheel.core.contracts.events import ContractError, EventBase, dump_event, parse_event
 from flywheel.core.contracts.topics import events_topic
+from flywheel.core.db.engine import session_factory
+from flywheel.core.endpoints import kafka_bootstrap, postgres_url
 from flywheel.core.settings import Settings
 from ingest import metrics
 
@@ -166,8 +172,6 @@ class KeyStore:
         return info
 
     def _load(self, token: str) -> KeyInfo | None:
-        from flywheel.core.db.engine import session_factory
-
         with session_factory(self.db_url)() as session:
             info = find_key(session, token, touch=True)
             session.commit()
@@ -237,8 +241,6 @@ def produce(producer: ProducerLike, topic: str, events: Sequence[EventBase]) -> 
 
     Feedback by completion id alone (no session) is keyed by its completion id; the consumer attaches it.
     """
-    from kafka.errors import KafkaError
-
     try:
         futures = [producer.send(topic, key=e.kafka_key.encode("utf-8"), value=dump_event(e)) for e in events]
         for future in futures:
@@ -253,10 +255,6 @@ def produce(producer: ProducerLike, topic: str, events: Sequence[EventBase]) -> 
 
 def make_producer(settings: Settings) -> ProducerLike:
     """A KafkaProducer for the gateway: ``acks=all``, sized for the largest event."""
-    from kafka import KafkaProducer
-
-    from flywheel.core.endpoints import kafka_bootstrap
-
     return KafkaProducer(
         bootstrap_servers=kafka_bootstrap(settings).split(","),
         client_id="flywheel-ingest-gateway",
@@ -306,8 +304,6 @@ def create_app(
     topic = events_topic(settings.kafka.topic_prefix)
     state: dict[str, Any] = {"producer": producer}
     if db_url is None:
-        from flywheel.core.endpoints import postgres_url
-
         db_url = postgres_url(settings)
     keys = KeyStore(db_url, ttl_s=key_cache_ttl_s, negative_ttl_s=min(2.0, key_cache_ttl_s))
 
@@ -367,8 +363,6 @@ def create_app(
     @app.get("/metrics", include_in_schema=False)
     def prometheus(request: Request) -> Response:
         """Prometheus metrics, for an ops token (``viewer`` and up; Prometheus sends it as a bearer credential)."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         info = keys.active_key(request.headers.get("authorization"))
         if info.role == "writer":
             raise HTTPException(403, "a write key cannot read metrics; use an ops token (viewer or above)")
@@ -383,8 +377,6 @@ def create_app(
     @app.get("/docs", include_in_schema=False)
     def docs(request: Request) -> Response:
         """Swagger UI over /openapi.json, for any active key."""
-        from fastapi.openapi.docs import get_swagger_ui_html
-
         keys.active_key(request.headers.get("authorization"))
         return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
 

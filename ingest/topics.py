@@ -13,6 +13,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+from kafka.errors import KafkaError
+
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
 from flywheel.core.settings import Settings
 
@@ -61,8 +64,6 @@ def topic_specs(settings: Settings) -> list[TopicSpec]:
 
 def ensure_topics(settings: Settings, bootstrap: str, *, create: bool = True) -> list[TopicStatus]:
     """Create the missing ingest topics (when ``create``) and check every one against its spec."""
-    from kafka.admin import KafkaAdminClient
-
     specs = topic_specs(settings)
     admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="flywheel-ingest-topics")
     try:
@@ -120,9 +121,6 @@ def _check_partitions(admin, statuses: dict[str, TopicStatus]) -> None:
 
 def _check_retention(admin, statuses: dict[str, TopicStatus]) -> None:
     """Compare retention where the broker reports it (Tansu does not answer DescribeConfigs)."""
-    from kafka.admin import ConfigResource, ConfigResourceType
-    from kafka.errors import KafkaError
-
     names = [name for name, status in statuses.items() if status.partitions is not None and not status.created]
     if not names:
         return
