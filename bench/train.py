@@ -61,8 +61,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     """Build the batch once, run both sides interleaved, print the comparison."""
     import trl  # noqa: F401  (fail early with a clear message if the bench extras are missing)
 
+    from flywheel.core.settings.trainer import AdvantageSettings
     from flywheel.model.build import build_model
-    from trainer.advantages import AdvantageConfig, AdvInput, compute_advantages
+    from trainer.advantages import AdvInput, compute_advantages
 
     model_dir = build_model()
     rollouts = load_rollouts_module()
@@ -70,7 +71,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     rows = rollouts.sample_rows(model_dir, n_problems=args.problems, group_size=args.group, seed=0)
     adv = compute_advantages(
         [AdvInput(r["session_id"], r["group_key"], r["task"], r["reward"]) for r in rows],
-        AdvantageConfig(group="rloo", norm="batch"),
+        AdvantageSettings(group="rloo", norm="batch"),
     )
     batch = {
         "model_dir": str(model_dir),
@@ -207,28 +208,25 @@ def make_ours(model: Any, tokenizer: Any, samples: list[dict[str, Any]]) -> Any:
     """One call = one ``trainer.step.optimizer_step`` on the whole batch (packed, CISPO), as a cycle runs it."""
     import torch
 
-    from trainer.loss import LossConfig
-    from trainer.step import DistInfo, StepConfig, StepSample, make_logprob_module, optimizer_step
+    from flywheel.core.settings.trainer import LossSettings, StepSettings
+    from trainer.step import DistInfo, StepSample, make_logprob_module, optimizer_step
 
     step_samples = [
         StepSample(i, s["prompt_ids"], s["completion_ids"], s["mask"], s["behaviour"], s["advantage"], s["reward"])
         for i, s in enumerate(samples)
     ]
-    config = StepConfig(
-        loss=LossConfig(kind="cispo", is_ratio_max=2.0),
-        learning_rate=1e-4,
-        mini_batch_samples=len(samples),
-        micro_batch_tokens=10**9,
-    )
-    module = make_logprob_module(model, config.temperature)
+    loss = LossSettings(kind="cispo", is_ratio_max=2.0)
+    # The whole batch in one micro-batch: the largest token budget the settings allow.
+    step = StepSettings(learning_rate=1e-4, mini_batch_samples=len(samples), micro_batch_tokens=10_000_000)
+    module = make_logprob_module(model, step.sampling_temperature)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate)
+    optimizer = torch.optim.AdamW(params, lr=step.learning_rate)
     device = next(model.parameters()).device
     model.train()
 
     def run() -> float:
         metrics = optimizer_step(
-            module, optimizer, params, step_samples, config, tokenizer.pad_token_id, DistInfo(), device
+            module, optimizer, params, step_samples, step, loss, tokenizer.pad_token_id, DistInfo(), device
         )
         return metrics["loss"]
 

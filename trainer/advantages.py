@@ -15,7 +15,7 @@ Completions without such a group are compared against a baseline:
   last hidden state at the end of the prompt) to reward, evaluated leave-one-out so a
   sample's own reward never enters its baseline.
 
-``advantage_norm="batch"`` then divides every advantage by the batch standard deviation.
+``norm="batch"`` (``trainer.advantages.norm``) then divides every advantage by the batch standard deviation.
 Pure Python plus torch for the ridge solve; no database, no model.
 """
 
@@ -27,22 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from flywheel.core.settings.trainer import AdvantageSettings
+
+# torch is imported inside the functions that use it: trainer.cycle imports this module in
+# processes that never train (``flywheel-trainer check``).
+
 if TYPE_CHECKING:
     import torch
 
 EPS = 1e-6
 DEFAULT_KIND = "default"
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """How advantages are estimated (mirrors the ``advantage_*`` fields of TrainerSettings)."""
-
-    group: Literal["rloo", "grpo"] = "rloo"
-    baseline: Literal["running_mean", "value"] = "running_mean"
-    norm: Literal["none", "batch"] = "batch"
-    momentum: float = 0.9
-    value_l2: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ class AdvantageResult:
 
 def compute_advantages(
     samples: Sequence[AdvInput],
-    config: AdvantageConfig,
+    config: AdvantageSettings,
     state: BaselineState | None = None,
     features: torch.Tensor | None = None,
 ) -> AdvantageResult:
@@ -101,11 +95,11 @@ def compute_advantages(
     """
     state = state or BaselineState()
     if config.group not in ("rloo", "grpo"):
-        raise ValueError(f"unknown advantage_group {config.group!r}")
+        raise ValueError(f"unknown trainer.advantages.group {config.group!r}")
     if config.baseline not in ("running_mean", "value"):
-        raise ValueError(f"unknown advantage_baseline {config.baseline!r}")
+        raise ValueError(f"unknown trainer.advantages.baseline {config.baseline!r}")
     if config.norm not in ("none", "batch"):
-        raise ValueError(f"unknown advantage_norm {config.norm!r}")
+        raise ValueError(f"unknown trainer.advantages.norm {config.norm!r}")
     advantages = [0.0] * len(samples)
     source: list[Literal["group", "baseline"]] = ["baseline"] * len(samples)
     episode_reward = episode_rewards(samples)
@@ -117,7 +111,7 @@ def compute_advantages(
     if singles:
         if config.baseline == "value":
             if features is None:
-                raise ValueError("advantage_baseline='value' needs prompt features")
+                raise ValueError("trainer.advantages.baseline='value' needs prompt features")
             baselines = value_baseline(features[singles], [samples[i].reward for i in singles], config.value_l2)
         else:
             baselines = running_mean_baseline(samples, singles, episode_reward, state)

@@ -31,6 +31,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field
 
 from flywheel.core.fsutil import fsync_dir, fsync_tree
+from flywheel.core.settings.trainer import LoraSettings
+
+# torch, transformers and peft are imported inside the functions that use them: trainer.cycle
+# imports this module in processes that never train (``flywheel-trainer check``).
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -197,18 +201,8 @@ class PolicyRef:
     base_model: str
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """LoRA hyper-parameters of a new adapter."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def load_trainable(
-    parent: PolicyRef, mode: Format, lora: LoraSpec, seed: int
+    parent: PolicyRef, mode: Format, lora: LoraSettings, seed: int
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The parent as a trainable policy in ``mode``, its tokenizer, and the new checkpoint's ``base_model``.
 

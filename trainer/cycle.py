@@ -24,39 +24,43 @@ import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flywheel.core.settings import Settings, TrainerSettings, get_settings
+from flywheel.core.db.engine import get_engine, session_factory
+from flywheel.core.db.models import TrainingCycle
+from flywheel.core.endpoints import postgres_url
+from flywheel.core.settings import Settings, get_settings
+from flywheel.core.settings.trainer import TrainerSettings
+from flywheel.model.build import build_key, is_complete
 from flywheel.model.register import register_base
-from trainer import registry
+from trainer import ckpt, distributed, gate, registry, select
+from trainer.advantages import AdvantageResult, AdvInput, BaselineState, compute_advantages
+from trainer.ckpt import PolicyRef
+from trainer.metrics import TrainerMetrics
 from trainer.select import DataWindow, Sample, SelectionRules
+from trainer.step import CycleTimeout, StepSample, TrainResult, prompt_features, train_on_batch
+
+# torch, transformers and peft are imported where they are used: the Celery worker's main
+# process and ``flywheel-trainer check`` import this module without training.
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from trainer.ckpt import PolicyRef
-    from trainer.step import StepSample, TrainResult
-
 log = logging.getLogger(__name__)
 
-OPERATIONAL_FIELDS = {
-    "schedule_seconds",
-    "time_limit_s",
-    "queue",
-    "checkpoint_dir",
-    "metrics_port",
-    "metrics_textfile",
-    "show_progress",
-    "keep_latest",
-    "keep_deployed_days",
-    "torch_threads",
-    "window_settle_s",
+OPERATIONAL_FIELDS: dict[str, Any] = {
+    "schedule": True,
+    "checkpoints": True,
+    "metrics": True,
+    "data": {"window_settle_s"},
+    "step": {"show_progress", "torch_threads"},
 }
-"""TrainerSettings fields that do not shape the update (left out of the config hash)."""
+"""TrainerSettings sections and fields that do not shape the update (left out of the config hash)."""
 
 
 class SkipCycle(Exception):
@@ -92,9 +96,6 @@ class CycleOutcome:
 
 def run_cycle(key: str, trigger: str = "manual", settings: Settings | None = None) -> CycleOutcome:
     """Run one training cycle for idempotency ``key`` (see the module docstring)."""
-    from flywheel.core.db.engine import get_engine, session_factory
-    from flywheel.core.endpoints import postgres_url
-
     settings = settings or get_settings()
     url = postgres_url(settings)
     with session_factory(url)() as session:
@@ -118,12 +119,9 @@ def run_cycle(key: str, trigger: str = "manual", settings: Settings | None = Non
 
 def _run_locked(session: Session, key: str, trigger: str, settings: Settings) -> CycleOutcome:
     """The cycle proper, with the lock held."""
-    from trainer import ckpt
-    from trainer.metrics import TrainerMetrics
-
     t = settings.trainer
-    deadline = time.monotonic() + t.time_limit_s
-    metrics = TrainerMetrics(t.metrics_textfile)
+    deadline = time.monotonic() + t.schedule.time_limit_s
+    metrics = TrainerMetrics(t.metrics.textfile)
     pause = registry.pause_state(session)
     if pause.paused:
         reason = f"paused by {pause.actor} at {pause.at:%Y-%m-%d %H:%M:%S%z}" + (
@@ -135,7 +133,7 @@ def _run_locked(session: Session, key: str, trigger: str, settings: Settings) ->
     cycle_id = registry.insert_cycle(session, key, trigger, "running", metrics={"phase": "select"})
     try:
         base_id = register_base(session, base_model_dir(settings))
-        removed = ckpt.sweep(Path(t.checkpoint_dir), set(registry.lineage(session)))
+        removed = ckpt.sweep(Path(t.checkpoints.dir), set(registry.lineage(session)))
         if removed:
             log.warning("removed incomplete or unregistered checkpoint folders: %s", [p.name for p in removed])
         outcome = _train(session, cycle_id, settings, base_id, deadline, metrics)
@@ -152,7 +150,9 @@ def _run_locked(session: Session, key: str, trigger: str, settings: Settings) ->
         if reason.startswith("time limit"):
             return CycleOutcome(cycle_id, "failed", reason)
         raise
-    deleted = registry.apply_retention(session, Path(t.checkpoint_dir), t.keep_latest, t.keep_deployed_days)
+    deleted = registry.apply_retention(
+        session, Path(t.checkpoints.dir), t.checkpoints.keep_latest, t.checkpoints.keep_deployed_days
+    )
     if deleted:
         log.info("retention deleted %s", deleted)
     _export(session, metrics, outcome.status, outcome.metrics)
@@ -160,26 +160,24 @@ def _run_locked(session: Session, key: str, trigger: str, settings: Settings) ->
 
 
 def _train(
-    session: Session, cycle_id: int, settings: Settings, base_id: str, deadline: float, metrics: Any
+    session: Session, cycle_id: int, settings: Settings, base_id: str, deadline: float, metrics: TrainerMetrics
 ) -> CycleOutcome:
     """Select, train, stage, gate, publish; returns the candidate/rejected outcome."""
-    from trainer import ckpt, gate, select
-
     t = settings.trainer
-    root = Path(t.checkpoint_dir)
+    root = Path(t.checkpoints.dir)
     parent = registry.get_checkpoint(session, parent_checkpoint_id(session, t, base_id))
-    parent_ref = ckpt.PolicyRef(parent.id, parent.policy_version, parent.path, parent.format, parent.base_model)  # type: ignore[arg-type]
+    parent_ref = PolicyRef(parent.id, parent.policy_version, parent.path, parent.format, parent.base_model)  # type: ignore[arg-type]
 
     # Selection.
     serving = registry.serving_checkpoint_ids(session) or [base_id]
-    allowed = select.allowed_versions(serving, registry.lineage(session), t.max_policy_lag)
+    allowed = select.allowed_versions(serving, registry.lineage(session), t.data.max_policy_lag)
     window = DataWindow(
         start=registry.last_window_end(session),
-        end=registry.db_now(session) - timedelta(seconds=t.window_settle_s),
+        end=registry.db_now(session) - timedelta(seconds=t.data.window_settle_s),
     )
     selection = select.choose(
         select.fetch_window(session, window),
-        SelectionRules(allowed, frozenset(t.trainable_roles), t.min_samples, t.max_samples),
+        SelectionRules(allowed, frozenset(t.data.trainable_roles), t.data.min_samples, t.data.max_samples),
     )
     info: dict[str, Any] = {
         "selection": selection.counts,
@@ -197,13 +195,13 @@ def _train(
 
     # The parent as a trainable policy, and its held-out score (cached per gate setup).
     _torch_threads(t)
-    model, tokenizer, base_model = ckpt.load_trainable(parent_ref, t.mode, lora_spec(t), t.seed)
-    gate_config = gate_config_of(t)
-    parent_eval = registry.cached_eval(parent, gate.eval_key(gate_config))
+    eval_key = gate.eval_key(t)
+    model, tokenizer, base_model = ckpt.load_trainable(parent_ref, t.mode, t.lora, t.step.seed)
+    parent_eval = registry.cached_eval(parent, eval_key)
     if parent_eval is None:
         registry.merge_cycle_metrics(session, cycle_id, {"phase": "gate-parent"})
-        parent_eval = gate.evaluate(model, tokenizer, gate_config)
-        registry.cache_eval(session, parent.id, gate.eval_key(gate_config), parent_eval)
+        parent_eval = gate.evaluate(model, tokenizer, t)
+        registry.cache_eval(session, parent.id, eval_key, parent_eval)
     _check_deadline(deadline, "evaluating the parent")
 
     # Advantages and the update.
@@ -230,9 +228,9 @@ def _train(
     tmp = ckpt.stage(model, tokenizer, root, checkpoint_id)
     try:
         candidate, cand_tokenizer = ckpt.load_policy(tmp, t.mode, base_model, trainable=False)
-        candidate_eval = gate.evaluate(candidate, cand_tokenizer, gate_config)
+        candidate_eval = gate.evaluate(candidate, cand_tokenizer, t)
         del candidate
-        decision = gate.decide(candidate_eval, parent_eval, gate_config)
+        decision = gate.decide(candidate_eval, parent_eval, t)
         _check_deadline(deadline, "gating")
         status = "candidate" if decision.passed else "rejected"
         summary = {
@@ -296,8 +294,6 @@ def _train(
 
 def base_model_dir(settings: Settings) -> Path:
     """The built base model's folder (raises :class:`BaseModelMissing` when it is not built)."""
-    from flywheel.model.build import build_key, is_complete
-
     folder = Path(settings.model.cache_dir).resolve() / build_key(settings.model)
     if not is_complete(folder):
         raise BaseModelMissing(f"base model not built at {folder}; run `flywheel model build`")
@@ -320,20 +316,17 @@ def prepare_batch(
     tokenizer: PreTrainedTokenizerBase,
     t: TrainerSettings,
     baseline_state: dict[str, Any],
-) -> tuple[list[StepSample], Any]:
+) -> tuple[list[StepSample], AdvantageResult]:
     """Advantages for ``samples`` and the step's view of them (samples beyond the context are dropped)."""
-    from trainer.advantages import AdvantageConfig, AdvInput, BaselineState, compute_advantages
-    from trainer.step import prompt_features
-
     limit = int(getattr(model.config, "max_position_embeddings", 10**9))
     fitting = [s for s in samples if len(s.prompt_token_ids) + len(s.completion_token_ids) <= limit]
     provisional = [_step_sample(s, 0.0) for s in fitting]
     features = None
-    if t.advantage_baseline == "value":
-        features = prompt_features(model, provisional, step_config(t), tokenizer.pad_token_id or 0)
+    if t.advantages.baseline == "value":
+        features = prompt_features(model, provisional, t.step, tokenizer.pad_token_id or 0)
     adv = compute_advantages(
         [AdvInput(s.episode, s.group_key, s.task, s.reward) for s in fitting],
-        AdvantageConfig(t.advantage_group, t.advantage_baseline, t.advantage_norm, t.baseline_momentum, t.value_l2),
+        t.advantages,
         BaselineState.from_dict(baseline_state),
         features,
     )
@@ -341,8 +334,6 @@ def prepare_batch(
 
 
 def _step_sample(s: Sample, advantage: float) -> StepSample:
-    from trainer.step import StepSample
-
     return StepSample(
         s.id, s.prompt_token_ids, s.completion_token_ids, s.loss_mask, s.behaviour_logprobs, advantage, s.reward
     )
@@ -356,17 +347,14 @@ def train(
     base_model: str,
     t: TrainerSettings,
     deadline: float,
-    on_step: Any,
+    on_step: Callable[[dict[str, float]], None],
     root: Path,
 ) -> tuple[TrainResult, PreTrainedModel]:
     """The update, in this process or under torchrun; returns the result and the trained model."""
-    from trainer.step import train_on_batch
-
     pad_id = tokenizer.pad_token_id or 0
-    if t.nproc_per_node == 1:
-        return train_on_batch(model, samples, step_config(t), pad_id, deadline=deadline, on_step=on_step), model
-    from trainer import ckpt, distributed
-
+    if t.distributed.nproc_per_node == 1:
+        result = train_on_batch(model, samples, t.step, t.loss, pad_id, deadline=deadline, on_step=on_step)
+        return result, model
     del model
     remaining = max(deadline - time.monotonic(), 1.0)
     result, trained_dir = distributed.launch(parent, samples, t, root, timeout_s=remaining)
@@ -379,47 +367,6 @@ def train(
     return result, trained
 
 
-def step_config(t: TrainerSettings) -> Any:
-    """The step's settings from TrainerSettings."""
-    from trainer.loss import LossConfig
-    from trainer.step import StepConfig
-
-    return StepConfig(
-        loss=LossConfig(t.loss, t.is_ratio_min, t.is_ratio_max, t.ppo_clip_low, t.ppo_clip_high, t.kl_coef),
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        epochs=t.epochs,
-        mini_batch_samples=t.mini_batch_samples,
-        micro_batch_tokens=t.micro_batch_tokens,
-        pack_row_tokens=t.pack_row_tokens,
-        grad_clip=t.grad_clip,
-        seed=t.seed,
-        temperature=t.sampling_temperature,
-        show_progress=t.show_progress,
-    )
-
-
-def lora_spec(t: TrainerSettings) -> Any:
-    """LoRA hyper-parameters from TrainerSettings."""
-    from trainer.ckpt import LoraSpec
-
-    return LoraSpec(t.lora_rank, t.lora_alpha, t.lora_dropout, tuple(t.lora_target_modules))
-
-
-def gate_config_of(t: TrainerSettings) -> Any:
-    """The gate's settings from TrainerSettings."""
-    from trainer.gate import GateConfig
-
-    return GateConfig(
-        n=t.gate_n,
-        seed=t.gate_seed,
-        margin=t.gate_margin,
-        max_new_tokens=t.gate_max_new_tokens,
-        batch_size=t.gate_batch_size,
-        temperature=t.sampling_temperature,
-    )
-
-
 def training_config(t: TrainerSettings) -> dict[str, Any]:
     """The settings that shape the update (hashed into the checkpoint)."""
     return t.model_dump(mode="json", exclude=OPERATIONAL_FIELDS)
@@ -427,40 +374,31 @@ def training_config(t: TrainerSettings) -> dict[str, Any]:
 
 def failure_reason(exc: BaseException, t: TrainerSettings) -> str:
     """A one-line reason for a failed cycle."""
-    from trainer.step import CycleTimeout
-
     if isinstance(exc, CycleTimeout) or type(exc).__name__ in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
-        return f"time limit ({t.time_limit_s:g} s): {exc}"
+        return f"time limit ({t.schedule.time_limit_s:g} s): {exc}"
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return f"interrupted ({type(exc).__name__})"
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
 def _check_deadline(deadline: float, where: str) -> None:
-    from trainer.step import CycleTimeout
-
     if time.monotonic() > deadline:
         raise CycleTimeout(f"time limit reached {where}")
 
 
 def _torch_threads(t: TrainerSettings) -> None:
-    if t.torch_threads is not None:
+    if t.step.torch_threads is not None:
         import torch
 
-        torch.set_num_threads(t.torch_threads)
+        torch.set_num_threads(t.step.torch_threads)
 
 
-def _export(session: Session, metrics: Any, status: str, summary: dict[str, Any]) -> None:
+def _export(session: Session, metrics: TrainerMetrics, status: str, summary: dict[str, Any]) -> None:
     """Write the Prometheus text file: this cycle's summary and the registry's cycle counts."""
-    from sqlalchemy import func, select
-
-    from flywheel.core.db.models import TrainingCycle
-
-    counts = dict(session.execute(select(TrainingCycle.status, func.count()).group_by(TrainingCycle.status)).all())
-    metrics.on_cycle(status, summary, counts, time.time())
+    metrics.on_cycle(status, summary, registry.cycle_counts(session), time.time())
 
 
-def _outcome_of(row: Any, replayed: bool) -> CycleOutcome:
+def _outcome_of(row: TrainingCycle, replayed: bool) -> CycleOutcome:
     return CycleOutcome(
         row.id, row.status, row.reason, row.checkpoint_id, row.checkpoint_id, dict(row.metrics or {}), replayed
     )

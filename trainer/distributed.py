@@ -9,7 +9,7 @@ with their advantages and the trainer settings; every rank loads the parent the 
 ``DIR/rank<r>.json`` with a digest of its final weights. Rank 0 also writes the trained
 model (full weights or the LoRA adapter) to ``DIR/model`` and the step metrics to
 ``DIR/result.json``. The cycle runs this through :func:`launch` when
-``trainer.nproc_per_node > 1``.
+``trainer.distributed.nproc_per_node > 1``.
 
 Backends: NCCL on GPUs, gloo on CPU. DDP and FSDP2 (``fully_shard`` per decoder layer,
 then the root) both run on either; the tests run both with world size 2 on CPU.
@@ -25,12 +25,14 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from flywheel.core.settings import TrainerSettings
-    from trainer.ckpt import PolicyRef
-    from trainer.step import StepSample, TrainResult
+from flywheel.core.settings.trainer import TrainerSettings
+from trainer.ckpt import PolicyRef, load_trainable
+from trainer.step import DistInfo, StepSample, TrainResult, train_on_batch, weights_digest
+
+# torch is imported inside the functions that use it: trainer.cycle imports this module (for
+# launch) in processes that never train (``flywheel-trainer check``).
 
 
 class DistributedFailed(RuntimeError):
@@ -58,8 +60,6 @@ def launch(
     The work folder is a ``.tmp-`` folder under ``root`` (removed by the caller, or swept
     by the next cycle if this process dies).
     """
-    from trainer.step import TrainResult
-
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tmp-dist-", dir=root))
     write_batch(work / "batch.pt", parent, samples, settings)
@@ -69,7 +69,7 @@ def launch(
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
-        str(settings.nproc_per_node),
+        str(settings.distributed.nproc_per_node),
         "-m",
         "trainer.distributed",
         "--batch",
@@ -90,18 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
-        "--strategy", choices=["ddp", "fsdp"], default=None, help="override trainer.distributed_strategy"
+        "--strategy", choices=["ddp", "fsdp"], default=None, help="override trainer.distributed.strategy"
     )
     parser.add_argument("--no-save", action="store_true", help="write digests and metrics only")
     args = parser.parse_args(argv)
 
     import torch
     import torch.distributed as tdist
-
-    from flywheel.core.settings import TrainerSettings
-    from trainer.ckpt import PolicyRef, load_trainable
-    from trainer.cycle import lora_spec, step_config
-    from trainer.step import DistInfo, StepSample, train_on_batch, weights_digest
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = torch.cuda.is_available()
@@ -111,20 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         payload = torch.load(args.batch, weights_only=False)
         settings = TrainerSettings.model_validate(payload["settings"])
-        strategy = args.strategy or settings.distributed_strategy
+        strategy = args.strategy or settings.distributed.strategy
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         parent = PolicyRef(**payload["parent"])
-        model, tokenizer, _ = load_trainable(parent, settings.mode, lora_spec(settings), settings.seed)
+        model, tokenizer, _ = load_trainable(parent, settings.mode, settings.lora, settings.step.seed)
         if use_cuda:
             model.to(torch.device("cuda", torch.cuda.current_device()))
         initial = weights_digest(model)
         samples = [StepSample(**s) for s in payload["samples"]]
-        config = step_config(settings)
-        config = type(config)(**{**config.__dict__, "show_progress": config.show_progress and rank == 0})
         result = train_on_batch(
             model,
             samples,
-            config,
+            settings.step,
+            settings.loss,
             tokenizer.pad_token_id or 0,
             DistInfo(rank, world, strategy),  # type: ignore[arg-type]
         )

@@ -1,8 +1,10 @@
 """The eval gate: a new checkpoint serves only if it does not regress against its parent.
 
-Both policies run the same held-out problems of the calculator task
-(:func:`flywheel.model.eval.heldout_success`, whole episodes with tool calls, sampled as
-the fleet samples) with the same seed. The candidate passes when
+Both policies run the same held-out evaluation with the same settings: the eval suite
+named by ``trainer.gate.suite``, a plug-in of the ``flywheel.eval_suites`` entry-point
+group (:mod:`trainer.evals`; the default ``arith`` runs held-out problems of the calculator
+task, whole episodes with tool calls, sampled as the fleet samples). The candidate passes
+when
 
     candidate_success >= parent_success - margin
 
@@ -16,22 +18,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from flywheel.model.eval import heldout_key
+from pydantic import BaseModel
+
+from flywheel.core import plugins
+from flywheel.core.settings.trainer import TrainerSettings
+from trainer.evals.base import EvalSuite
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-
-@dataclass(frozen=True)
-class GateConfig:
-    """What the gate measures and how much regression it tolerates."""
-
-    n: int = 200
-    seed: int = 1234
-    margin: float = 0.05
-    max_new_tokens: int = 24
-    batch_size: int = 200
-    temperature: float = 1.0
+GROUP = "flywheel.eval_suites"
 
 
 @dataclass(frozen=True)
@@ -51,35 +47,40 @@ class GateDecision:
         return asdict(self)
 
 
-def eval_key(config: GateConfig) -> str:
+def suite_of(t: TrainerSettings) -> tuple[EvalSuite, BaseModel]:
+    """The gate's eval suite and its settings (``trainer.gate.suites.<name>``, validated by the suite's model).
+
+    Raises :class:`flywheel.core.plugins.PluginError` for an unknown suite or invalid settings.
+    """
+    name = t.gate.suite
+    suite_class = plugins.load(GROUP, name)
+    if not (isinstance(suite_class, type) and issubclass(suite_class, EvalSuite)):
+        raise plugins.PluginError(f"plug-in {name!r} of {GROUP!r} is not an EvalSuite: {suite_class!r}")
+    settings = plugins.plugin_settings(suite_class.Settings, t.gate.suites.get(name), f"trainer.gate.suites.{name}")
+    return suite_class(), settings
+
+
+def eval_key(t: TrainerSettings) -> str:
     """Cache key of one evaluation setup, e.g. ``arith-v1/heldout/n200/s1234/t1.0/m24``."""
-    return heldout_key(config.n, config.seed, config.temperature, config.max_new_tokens)
+    suite, settings = suite_of(t)
+    return suite.key(settings, t.step.sampling_temperature)
 
 
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: GateConfig) -> dict[str, Any]:
-    """Held-out success of a loaded policy under ``config``."""
-    from flywheel.model.eval import heldout_success
-
-    result = heldout_success(
-        model,
-        n=config.n,
-        seed=config.seed,
-        temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens,
-        tokenizer=tokenizer,
-        batch_size=config.batch_size,
-    )
-    return result.to_dict()
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, t: TrainerSettings) -> dict[str, Any]:
+    """The gate's evaluation of a loaded policy under ``t``."""
+    suite, settings = suite_of(t)
+    return suite.evaluate(model, tokenizer, settings, t.step.sampling_temperature)
 
 
-def decide(candidate: dict[str, Any], parent: dict[str, Any], config: GateConfig) -> GateDecision:
-    """Pass or reject from two evaluations (pure)."""
+def decide(candidate: dict[str, Any], parent: dict[str, Any], t: TrainerSettings) -> GateDecision:
+    """Pass or reject from two evaluations (nothing is evaluated here)."""
+    margin = t.gate.margin
     cand, par = float(candidate["success_rate"]), float(parent["success_rate"])
     delta = cand - par
-    passed = cand >= par - config.margin
+    passed = cand >= par - margin
     verdict = "passed" if passed else "regressed"
     reason = (
         f"{verdict}: held-out success {cand:.3f} vs parent {par:.3f} "
-        f"(delta {delta:+.3f}, margin {config.margin:.3f}, n={candidate.get('n')})"
+        f"(delta {delta:+.3f}, margin {margin:.3f}, n={candidate.get('n')})"
     )
-    return GateDecision(passed, reason, candidate, parent, config.margin, delta, eval_key(config))
+    return GateDecision(passed, reason, candidate, parent, margin, delta, eval_key(t))

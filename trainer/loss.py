@@ -20,25 +20,18 @@ data parallelism give the same update as one big batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from flywheel.core.settings.trainer import LossSettings
+
+# torch is imported inside the functions that use it: trainer.cycle imports this module in
+# processes that never train (``flywheel-trainer check``).
 
 if TYPE_CHECKING:
     import torch
 
 LOG_RATIO_CLAMP = 20.0
 """|logp - behaviour_logp| is clamped before exp so a wild token cannot overflow."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Loss settings (mirrors TrainerSettings)."""
-
-    kind: Literal["cispo", "ppo"] = "cispo"
-    is_ratio_min: float = 0.0
-    is_ratio_max: float = 2.0
-    ppo_clip_low: float = 0.2
-    ppo_clip_high: float = 0.28
-    kl_coef: float = 0.0
 
 
 @dataclass
@@ -56,7 +49,7 @@ def token_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
-    config: LossConfig,
+    config: LossSettings,
     ref_logp: torch.Tensor | None = None,
 ) -> TokenLoss:
     """The loss of each trained token (see the module docstring)."""

@@ -1,17 +1,21 @@
 """``flywheel-trainer``: the trainer's worker, beat, manual trigger, pause/resume, status and check.
 
-Every command parses its options first and imports Celery, SQLAlchemy and torch only when
-it runs, so ``--help`` is instant. ``flywheel train ...`` mounts this same ``app``.
+Every command parses its options first and imports Celery, SQLAlchemy, rich and torch (and
+the trainer modules that import them) only when it runs, so ``--help`` is instant.
+``flywheel train ...`` mounts this same ``app``.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
+import tempfile
 import uuid
 from typing import Any
 
 import typer
+
+from flywheel.core.settings import Settings, get_settings
 
 app = typer.Typer(
     name="flywheel-trainer",
@@ -40,13 +44,12 @@ def worker(
     max_tasks_per_child: int = typer.Option(1, min=1, help="Recycle a prefork child after this many cycles."),
 ) -> None:
     """Run a Celery worker on the trainer queue."""
-    from flywheel.core.settings import get_settings
     from trainer.celery_app import app as celery_app
 
     argv = [
         "worker",
         "-Q",
-        get_settings().trainer.queue,
+        get_settings().trainer.schedule.queue,
         "--concurrency",
         str(concurrency),
         "--pool",
@@ -65,8 +68,7 @@ def worker(
 
 @app.command()
 def beat(loglevel: str = typer.Option("INFO", help="Log level.")) -> None:
-    """Run Celery beat: one ``train_cycle`` every ``trainer.schedule_seconds``."""
-    from flywheel.core.settings import get_settings
+    """Run Celery beat: one ``train_cycle`` every ``trainer.schedule.interval_s``."""
     from trainer.celery_app import app as celery_app
 
     settings = get_settings()
@@ -151,8 +153,6 @@ def status(limit: int = typer.Option(10, min=1, help="Rows of each table.")) -> 
 @app.command()
 def check() -> None:
     """Check settings, Postgres (migrated), Redis, the base model and the checkpoint folder."""
-    from flywheel.core.settings import get_settings
-
     settings = get_settings()
     problems = []
     for name, probe in (
@@ -171,7 +171,7 @@ def check() -> None:
         raise typer.Exit(1)
 
 
-def _check_postgres(settings: Any) -> str:
+def _check_postgres(settings: Settings) -> str:
     from flywheel.core.db import migrate
     from flywheel.core.endpoints import postgres_url
 
@@ -182,7 +182,7 @@ def _check_postgres(settings: Any) -> str:
     return f"revision {revision}"
 
 
-def _check_redis(settings: Any) -> str:
+def _check_redis(settings: Settings) -> str:
     import redis
 
     from flywheel.core.endpoints import redis_url
@@ -192,16 +192,14 @@ def _check_redis(settings: Any) -> str:
     return url
 
 
-def _check_model(settings: Any) -> str:
+def _check_model(settings: Settings) -> str:
     from trainer.cycle import base_model_dir
 
     return str(base_model_dir(settings))
 
 
-def _check_ckpt_dir(settings: Any) -> str:
-    import tempfile
-
-    root = settings.trainer.checkpoint_dir
+def _check_ckpt_dir(settings: Settings) -> str:
+    root = settings.trainer.checkpoints.dir
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=root, prefix=".tmp-check-"):
         pass

@@ -1,9 +1,9 @@
 """Prometheus metrics of the trainer: a text file rewritten after every step and cycle.
 
 The process that trains (a Celery worker child, or ``flywheel-trainer now --inline``)
-sets gauges in its own registry and writes them atomically to ``metrics_textfile``
+sets gauges in its own registry and writes them atomically to ``trainer.metrics.textfile``
 (node-exporter textfile format). The worker's main process serves that file on
-``metrics_port`` (:func:`serve`), so what Prometheus scrapes is the same whichever
+``trainer.metrics.port`` (:func:`serve`), so what Prometheus scrapes is the same whichever
 process trained, and survives the child that wrote it.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -98,8 +98,6 @@ class TextfileCollector:
 
 def serve(port: int, textfile: Path, addr: str = "127.0.0.1") -> None:
     """Serve the text file's metrics over HTTP on ``port`` (a daemon thread)."""
-    from prometheus_client import start_http_server
-
     registry = CollectorRegistry()
     registry.register(TextfileCollector(textfile))  # type: ignore[arg-type]
     start_http_server(port, addr=addr, registry=registry)

@@ -25,12 +25,11 @@ from sqlalchemy.dialects.postgresql import JSONB
 from flywheel.core import pause
 from flywheel.core.db.models import Checkpoint, Deployment, TrainingCycle
 from flywheel.core.pause import PauseState
+from trainer import ckpt
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
-
-    from trainer.ckpt import CheckpointSidecar
 
 LOCK_KEY = 0x466C_5754
 """Advisory lock id of the training cycle ('FlWT')."""
@@ -242,12 +241,18 @@ def recent_checkpoints(session: Session, limit: int = 10) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).order_by(Checkpoint.created_at.desc()).limit(limit)))
 
 
+def cycle_counts(session: Session) -> dict[str, int]:
+    """Number of cycles by status."""
+    query = select(TrainingCycle.status, func.count()).group_by(TrainingCycle.status)
+    return {status: count for status, count in session.execute(query)}
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
 def add_checkpoint(
     session: Session,
-    sidecar: CheckpointSidecar,
+    sidecar: ckpt.CheckpointSidecar,
     path: Path,
     status_reason: str,
     eval_: dict[str, Any],
@@ -354,8 +359,6 @@ def recently_deployed(session: Session, now: datetime, days: float) -> set[str]:
 
 def apply_retention(session: Session, root: Path, keep_latest: int, deployed_days: float) -> list[str]:
     """Delete the files of checkpoints retention does not keep (only under ``root``); mark them ``deleted``."""
-    from trainer import ckpt
-
     rows = list(session.scalars(select(Checkpoint)))
     infos = [
         RetentionInfo(

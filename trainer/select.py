@@ -4,7 +4,7 @@ The rules, applied in this order (pure functions, tested with in-memory rows):
 
 1. **Window**: rows created after the last checkpoint's data window ended
    (``checkpoints.data_window_end``, newest over all trainer checkpoints) and up to the
-   cycle's start minus ``window_settle_s``. Skipped, failed and lock-busy cycles write no
+   cycle's start minus ``window_settle_s`` (``trainer.data``). Skipped, failed and lock-busy cycles write no
    checkpoint, so their data stays in the next window.
 2. **Newest reward version**: of several rows of one completion, the one with the highest
    ``reward_version`` (late feedback replaces the earlier reward, never adds a sample).
@@ -23,6 +23,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
+
+from sqlalchemy import select
+
+from flywheel.core.db.models import TrainingSample as T
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -170,10 +174,6 @@ def validate(sample: Sample) -> None:
 
 def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
     """Metadata of every ``training_samples`` row inside ``window``."""
-    from sqlalchemy import select
-
-    from flywheel.core.db.models import TrainingSample as T
-
     query = select(T.id, T.completion_id, T.reward_version, T.policy_version, T.agent_role, T.created_at).where(
         T.created_at <= window.end
     )
@@ -184,10 +184,6 @@ def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
 
 def fetch_samples(session: Session, ids: Sequence[int]) -> list[Sample]:
     """Full rows for ``ids``, in the order of ``ids``; each is validated."""
-    from sqlalchemy import select
-
-    from flywheel.core.db.models import TrainingSample as T
-
     rows = {r.id: r for r in session.scalars(select(T).where(T.id.in_(list(ids))))}
     missing = [i for i in ids if i not in rows]
     if missing:

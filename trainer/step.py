@@ -21,14 +21,22 @@ equals the single-process one.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainer.loss import LossConfig, kl_k3, token_loss
+from tqdm.auto import tqdm
+
+from flywheel.core.settings.trainer import LossSettings, StepSettings
+from trainer.loss import kl_k3, token_loss
+
+# torch is imported inside the functions that use it: trainer.cycle imports this module in
+# processes that never train (``flywheel-trainer check``).
 
 if TYPE_CHECKING:
     import torch
@@ -61,23 +69,6 @@ class StepSample:
     def n_trained(self) -> int:
         """Trained tokens."""
         return sum(1 for m in self.target_mask if m)
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """Optimisation settings of one cycle (mirrors TrainerSettings)."""
-
-    loss: LossConfig = field(default_factory=LossConfig)
-    learning_rate: float = 2e-4
-    weight_decay: float = 0.0
-    epochs: int = 1
-    mini_batch_samples: int = 64
-    micro_batch_tokens: int = 8192
-    pack_row_tokens: int = 256
-    grad_clip: float = 1.0
-    seed: int = 0
-    temperature: float = 1.0
-    show_progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,11 +214,11 @@ def build_micro_batch(samples: Sequence[StepSample], row_tokens: int, pad_id: in
 
 
 def micro_batches(
-    samples: Sequence[StepSample], config: StepConfig, pad_id: int, device: torch.device | None = None
+    samples: Sequence[StepSample], step: StepSettings, pad_id: int, device: torch.device | None = None
 ) -> list[MicroBatch]:
     """``samples`` split by the token budget, each split packed (and moved to ``device``)."""
-    groups = split_micro_batches([s.length for s in samples], config.micro_batch_tokens)
-    batches = [build_micro_batch([samples[i] for i in g], config.pack_row_tokens, pad_id) for g in groups]
+    groups = split_micro_batches([s.length for s in samples], step.micro_batch_tokens)
+    batches = [build_micro_batch([samples[i] for i in g], step.pack_row_tokens, pad_id) for g in groups]
     return [mb.to(device) for mb in batches] if device is not None else batches
 
 
@@ -326,17 +317,17 @@ def equalize(batches: list[MicroBatch], dist: DistInfo, pad_id: int, device: tor
     return batches + [empty_micro_batch(pad_id).to(device) for _ in range(most - len(batches))]
 
 
-def shard_plan(n_samples: int, config: StepConfig, dist: DistInfo) -> list[list[list[int]]]:
+def shard_plan(n_samples: int, step: StepSettings, dist: DistInfo) -> list[list[list[int]]]:
     """For each epoch, for each optimizer step, the indices of this rank's samples.
 
     Sample ``i`` belongs to rank ``i % world``; each epoch shuffles (seeded) and cuts the
     whole batch into ``ceil(n / mini_batch_samples)`` steps, the same count on every rank.
     """
-    steps = max(math.ceil(n_samples / config.mini_batch_samples), 1)
+    steps = max(math.ceil(n_samples / step.mini_batch_samples), 1)
     plan = []
-    for epoch in range(config.epochs):
+    for epoch in range(step.epochs):
         order = list(range(n_samples))
-        random.Random(f"flywheel-trainer:{config.seed}:{epoch}").shuffle(order)
+        random.Random(f"flywheel-trainer:{step.seed}:{epoch}").shuffle(order)
         chunks = [order[k * n_samples // steps : (k + 1) * n_samples // steps] for k in range(steps)]
         plan.append([[i for i in chunk if i % dist.world == dist.rank] for chunk in chunks])
     return plan
@@ -363,7 +354,7 @@ def forward_batches(
 
 
 def batch_loss(
-    batches: list[MicroBatch], logps: list[torch.Tensor], start_logps: list[torch.Tensor], loss: LossConfig
+    batches: list[MicroBatch], logps: list[torch.Tensor], start_logps: list[torch.Tensor], loss: LossSettings
 ) -> tuple[float, float]:
     """Sum of the cycle's objective and number of trained tokens over ``batches``.
 
@@ -391,16 +382,16 @@ def batch_loss(
 
 
 def prompt_features(
-    model: PreTrainedModel, samples: Sequence[StepSample], config: StepConfig, pad_id: int
+    model: PreTrainedModel, samples: Sequence[StepSample], step: StepSettings, pad_id: int
 ) -> torch.Tensor:
     """The policy's last hidden state at the end of each sample's prompt (for the value baseline)."""
     import torch
 
-    module = make_logprob_module(model, config.temperature)
+    module = make_logprob_module(model, step.sampling_temperature)
     was_training = model.training
     model.eval()
     try:
-        batches = micro_batches(samples, config, pad_id, next(model.parameters()).device)
+        batches = micro_batches(samples, step, pad_id, next(model.parameters()).device)
         features = [f for _, f in forward_batches(module, batches, with_features=True)]
     finally:
         model.train(was_training)
@@ -409,8 +400,6 @@ def prompt_features(
 
 def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 over every parameter and buffer (names sorted), gathering sharded tensors."""
-    import hashlib
-
     import torch
 
     digest = hashlib.sha256()
@@ -427,7 +416,8 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],
     chosen: Sequence[StepSample],
-    config: StepConfig,
+    step: StepSettings,
+    loss: LossSettings,
     pad_id: int,
     dist: DistInfo,
     device: torch.device,
@@ -441,7 +431,7 @@ def optimizer_step(
     import torch
 
     step_started = time.perf_counter()
-    batches = equalize(micro_batches(chosen, config, pad_id, device) if chosen else [], dist, pad_id, device)
+    batches = equalize(micro_batches(chosen, step, pad_id, device) if chosen else [], dist, pad_id, device)
     local_trained = sum(mb.target_ids.numel() for mb in batches)
     global_trained = all_reduce([float(local_trained)], "sum", dist)[0]
     scale = dist.world / max(global_trained, 1.0)
@@ -455,7 +445,7 @@ def optimizer_step(
         with _no_sync(wrapped, dist, skip=not sync):
             logp, _ = wrapped(mb.input_ids, mb.position_ids, mb.pred_index, mb.target_ids)
             ref = _gather_ref(ref_by_sample, mb)
-            terms = token_loss(logp, mb.behaviour_logprobs, mb.advantages, config.loss, ref)
+            terms = token_loss(logp, mb.behaviour_logprobs, mb.advantages, loss, ref)
             (terms.loss.sum() * scale).backward()
         sums["loss"] += float(terms.loss.detach().sum())
         sums["ratio"] += float(terms.ratio.sum())
@@ -465,7 +455,7 @@ def optimizer_step(
         if terms.ratio.numel():
             ratio_min = min(ratio_min, float(terms.ratio.min()))
             ratio_max = max(ratio_max, float(terms.ratio.max()))
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, step.grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
@@ -511,7 +501,7 @@ def optimizer_step(
         "tokens": tokens_all,
         "trained_tokens": global_trained,
         "tokens_per_s": tokens_all / max(seconds, 1e-9),
-        "lr": config.learning_rate,
+        "lr": step.learning_rate,
         "seconds": seconds,
     }
     return metrics
@@ -523,7 +513,8 @@ def optimizer_step(
 def train_on_batch(
     model: PreTrainedModel,
     samples: Sequence[StepSample],
-    config: StepConfig,
+    step: StepSettings,
+    loss: LossSettings,
     pad_id: int,
     dist: DistInfo | None = None,
     deadline: float | None = None,
@@ -538,32 +529,30 @@ def train_on_batch(
 
     dist = dist or DistInfo()
     started = time.perf_counter()
-    torch.manual_seed(config.seed)
+    torch.manual_seed(step.seed)
     device = next(model.parameters()).device
 
     # The plan of optimizer steps (this rank's share of each), the log-prob module, AdamW.
-    plan = shard_plan(len(samples), config, dist)
-    module = make_logprob_module(model, config.temperature)
+    plan = shard_plan(len(samples), step, dist)
+    module = make_logprob_module(model, step.sampling_temperature)
     wrapped = wrap_for_dist(module, dist)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=step.learning_rate, weight_decay=step.weight_decay)
 
     # Reference pass with the starting weights (the parent): the KL reference and the loss before.
     mine = [samples[i] for i in range(len(samples)) if i % dist.world == dist.rank]
-    eval_batches = equalize(micro_batches(mine, config, pad_id, device) if mine else [], dist, pad_id, device)
+    eval_batches = equalize(micro_batches(mine, step, pad_id, device) if mine else [], dist, pad_id, device)
     model.eval()
     start_logps = [logp for logp, _ in forward_batches(wrapped, eval_batches)]
-    ref_by_sample = _per_sample(eval_batches, start_logps) if config.loss.kl_coef > 0 else None
-    before_sum, before_tokens = all_reduce(
-        list(batch_loss(eval_batches, start_logps, start_logps, config.loss)), "sum", dist
-    )
+    ref_by_sample = _per_sample(eval_batches, start_logps) if loss.kl_coef > 0 else None
+    before_sum, before_tokens = all_reduce(list(batch_loss(eval_batches, start_logps, start_logps, loss)), "sum", dist)
 
     # Optimizer steps.
     model.train()
     step_metrics: list[dict[str, float]] = []
     total_tokens = total_trained = 0
     n_steps = sum(len(epoch) for epoch in plan)
-    progress = _progress(n_steps, config.show_progress and dist.rank == 0)
+    progress = _progress(n_steps, step.show_progress and dist.rank == 0)
     step_index = 0
     for epoch in plan:
         for chunk in epoch:
@@ -572,7 +561,8 @@ def train_on_batch(
                 optimizer,
                 params,
                 [samples[i] for i in chunk],
-                config,
+                step,
+                loss,
                 pad_id,
                 dist,
                 device,
@@ -593,9 +583,7 @@ def train_on_batch(
     # The same loss on the whole batch with the final weights.
     model.eval()
     end_logps = [logp for logp, _ in forward_batches(wrapped, eval_batches)]
-    after_sum, after_tokens = all_reduce(
-        list(batch_loss(eval_batches, end_logps, start_logps, config.loss)), "sum", dist
-    )
+    after_sum, after_tokens = all_reduce(list(batch_loss(eval_batches, end_logps, start_logps, loss)), "sum", dist)
     seconds = time.perf_counter() - started
     train_seconds = sum(m["seconds"] for m in step_metrics)
     return TrainResult(
@@ -631,8 +619,6 @@ def _gather_ref(ref_by_sample: dict[int, torch.Tensor] | None, mb: MicroBatch) -
 
 def _no_sync(wrapped: torch.nn.Module, dist: DistInfo, skip: bool) -> Any:
     """DDP's ``no_sync`` for all but the last micro-batch of a step; a null context otherwise."""
-    from contextlib import nullcontext
-
     if skip and dist.strategy == "ddp" and dist.world > 1:
         return wrapped.no_sync()
     return nullcontext()
@@ -644,8 +630,6 @@ class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar = None
         if enabled:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, desc="train", unit="step", leave=False)
 
     def update(self, metrics: dict[str, float]) -> None:

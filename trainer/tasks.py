@@ -7,7 +7,7 @@ from typing import Any
 from flywheel.core.settings import get_settings
 from trainer.celery_app import TASK_NAME, app
 
-_LIMIT = get_settings().trainer.time_limit_s
+_LIMIT = get_settings().trainer.schedule.time_limit_s
 
 
 @app.task(
@@ -21,10 +21,10 @@ _LIMIT = get_settings().trainer.time_limit_s
 def train_cycle(self: Any, trigger: str = "beat", idempotency_key: str | None = None) -> dict[str, Any]:
     """Run one training cycle; ``idempotency_key`` defaults to the task id (the same on redelivery).
 
-    The cycle enforces ``trainer.time_limit_s`` itself (any pool); Celery's soft and hard
+    The cycle enforces ``trainer.schedule.time_limit_s`` itself (any pool); Celery's soft and hard
     limits, a little later, back it up in the prefork pool.
     """
-    from trainer.cycle import run_cycle
+    from trainer.cycle import run_cycle  # here, not at the top: the worker's main process does not load torch
 
     key = idempotency_key or f"{trigger}:{self.request.id}"
     return run_cycle(key, trigger).to_dict()

@@ -36,7 +36,7 @@ def damaged_checkpoint(engine: Any, settings: Settings, seed: int = 0) -> str:
         stable = registry.get_checkpoint(session, stable_id)
         source = Path(stable.path)
         checkpoint_id = f"damaged-{uuid.uuid4().hex[:8]}"
-        target = Path(settings.trainer.checkpoint_dir).resolve() / checkpoint_id
+        target = Path(settings.trainer.checkpoints.dir).resolve() / checkpoint_id
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".tmp-{checkpoint_id}")
         shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("flywheel_checkpoint.json"))

@@ -116,16 +116,13 @@ def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def _own_overrides(config: DemoConfig, settings: Settings, db_url: str) -> dict[str, dict[str, Any]]:
     return {
         "postgres": {"url": db_url},
-        "trainer": {
-            "schedule_seconds": config.cycle_s,
-            "min_samples": config.min_samples,
-            "max_samples": config.max_samples,
-            "torch_threads": config.trainer_threads,
+        "trainer": {  # sections travel as JSON: paths as absolute strings
             "parent": config.trainer_parent,
-            "show_progress": False,
-            "checkpoint_dir": Path(settings.run_dir) / "demo-checkpoints",
-            "metrics_textfile": Path(settings.run_dir) / "trainer.prom",
-            "keep_latest": 50,
+            "schedule": {"interval_s": config.cycle_s},
+            "data": {"min_samples": config.min_samples, "max_samples": config.max_samples},
+            "step": {"torch_threads": config.trainer_threads, "show_progress": False},
+            "checkpoints": {"dir": str((Path(settings.run_dir) / "demo-checkpoints").resolve()), "keep_latest": 50},
+            "metrics": {"textfile": str((Path(settings.run_dir) / "trainer.prom").resolve())},
         },
         "rewarding": {"feedback_window_s": 3.0, "rescore_delay_s": 2.0, "session_timeout_s": 120.0},
         "serving": {

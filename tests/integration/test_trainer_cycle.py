@@ -33,16 +33,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TASK = "trainer.train_cycle"
 FAST = {
-    "min_samples": 16,
-    "window_settle_s": 0.0,
-    "gate_n": 32,
-    "gate_batch_size": 32,
-    "learning_rate": 3e-4,
-    "epochs": 1,
-    "mini_batch_samples": 24,
-    "show_progress": False,
-    "time_limit_s": 600.0,
-    "torch_threads": 2,
+    "data": {"min_samples": 16, "window_settle_s": 0.0},
+    "gate": {"suites": {"arith": {"n": 32, "batch_size": 32}}},
+    "step": {"learning_rate": 3e-4, "epochs": 1, "mini_batch_samples": 24, "show_progress": False, "torch_threads": 2},
+    "schedule": {"time_limit_s": 600.0},
 }
 
 
@@ -71,16 +65,16 @@ def db_url(pg_url: str) -> Iterator[str]:
 def make_settings(
     db_url: str, base_model_dir: Path, tmp_path: Path, redis_url: str | None = None, **trainer: Any
 ) -> Settings:
-    """Settings for one test: its database, checkpoint folder, queue and fast training."""
-    fields = (
-        FAST
-        | {
-            "checkpoint_dir": tmp_path / "checkpoints",
-            "metrics_textfile": tmp_path / "trainer.prom",
-            "queue": f"trainer-test-{uuid.uuid4().hex[:8]}",
-        }
-        | trainer
-    )
+    """Settings for one test: its database, checkpoint folder, queue and fast training.
+
+    ``trainer`` holds sections (or top-level fields) merged over the fast ones, e.g. ``step={"epochs": 100}``.
+    """
+    own = {
+        "checkpoints": {"dir": tmp_path / "checkpoints"},
+        "metrics": {"textfile": tmp_path / "trainer.prom"},
+        "schedule": {"queue": f"trainer-test-{uuid.uuid4().hex[:8]}"},
+    }
+    fields = merged(merged(FAST, own), trainer)
     return Settings(
         environment="test",
         run_dir=tmp_path / "run",
@@ -91,8 +85,16 @@ def make_settings(
     )
 
 
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, section by section."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def env_of(settings: Settings) -> dict[str, str]:
-    """Environment variables that give a subprocess the same settings."""
+    """Environment variables that give a subprocess the same settings (trainer sections as JSON)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env |= {
         "FLYWHEEL_ENVIRONMENT": "test",
@@ -146,7 +148,7 @@ def test_cycle_on_real_samples_trains_a_checkpoint(db_url, base_model_dir, score
     [ckpt] = trained_checkpoints(db_url)
     assert ckpt.id == outcome.checkpoint_id == ckpt.policy_version
     folder = Path(ckpt.path)
-    assert folder.resolve().parent == settings.trainer.checkpoint_dir.resolve()
+    assert folder.resolve().parent == settings.trainer.checkpoints.dir.resolve()
     sidecar = read_sidecar(folder)
     assert sorted(sidecar.sample_ids) == sorted(ids)
     assert sidecar.parent_id == ckpt.parent_id and ckpt.parent_id.startswith("base-")
@@ -177,7 +179,7 @@ def test_cycle_on_real_samples_trains_a_checkpoint(db_url, base_model_dir, score
     assert ckpt.eval["gate"]["parent"]["n"] == 32
 
     # Prometheus text file.
-    prom = settings.trainer.metrics_textfile.read_text()
+    prom = settings.trainer.metrics.textfile.read_text()
     assert "flywheel_trainer_step_loss" in prom and "flywheel_trainer_cycle_loss_after" in prom
 
     # The same key again replays the outcome; nothing new is written.
@@ -208,7 +210,7 @@ def test_too_little_data_is_skipped_with_its_reason_and_pause_skips(db_url, base
     cycles = rows_of(db_url, TrainingCycle)
     assert [c.status for c in cycles] == ["skipped", "skipped"]
     assert trained_checkpoints(db_url) == []
-    assert visible_folders(settings.trainer.checkpoint_dir) == []
+    assert visible_folders(settings.trainer.checkpoints.dir) == []
 
 
 def test_gate_rejects_a_damaged_checkpoint(db_url, base_model_dir, scored_rows, tmp_path):
@@ -216,7 +218,7 @@ def test_gate_rejects_a_damaged_checkpoint(db_url, base_model_dir, scored_rows, 
 
     insert_rows(db_url, scored_rows)
     # A learning rate of 1 on every weight wrecks the policy: the gate must catch it.
-    settings = make_settings(db_url, base_model_dir, tmp_path, learning_rate=1.0, grad_clip=1e6)
+    settings = make_settings(db_url, base_model_dir, tmp_path, step={"learning_rate": 1.0, "grad_clip": 1e6})
     outcome = run_cycle("manual:damage", "manual", settings)
     assert outcome.status == "rejected", outcome
     [ckpt] = trained_checkpoints(db_url)
@@ -232,7 +234,7 @@ def test_lora_cycle_writes_an_adapter(db_url, base_model_dir, scored_rows, tmp_p
     from trainer.cycle import run_cycle
 
     insert_rows(db_url, scored_rows)
-    settings = make_settings(db_url, base_model_dir, tmp_path, mode="lora", learning_rate=2e-3)
+    settings = make_settings(db_url, base_model_dir, tmp_path, mode="lora", step={"learning_rate": 2e-3})
     outcome = run_cycle("manual:lora", "manual", settings)
     assert outcome.status in ("candidate", "rejected"), outcome
     [ckpt] = trained_checkpoints(db_url)
@@ -273,7 +275,7 @@ def stop(proc: subprocess.Popen, settings: Settings) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    queue = settings.trainer.queue
+    queue = settings.trainer.schedule.queue
     client = redis.Redis.from_url(settings.redis.url)
     for tag, raw in client.hgetall("unacked").items():  # kombu's unacked messages of a killed worker
         if json.loads(raw)[2] == queue:
@@ -290,7 +292,7 @@ def client(settings: Settings) -> Any:
 
 def send(settings: Settings, key: str) -> Any:
     return client(settings).send_task(
-        TASK, kwargs={"trigger": "manual", "idempotency_key": key}, queue=settings.trainer.queue
+        TASK, kwargs={"trigger": "manual", "idempotency_key": key}, queue=settings.trainer.schedule.queue
     )
 
 
@@ -334,7 +336,7 @@ def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(
 
     insert_rows(db_url, scored_rows)
     # A long training loop (many epochs) so the kill lands in the middle of it.
-    slow = make_settings(db_url, base_model_dir, tmp_path, redis_url, epochs=100, mini_batch_samples=4)
+    slow = make_settings(db_url, base_model_dir, tmp_path, redis_url, step={"epochs": 100, "mini_batch_samples": 4})
     log = tmp_path / "worker.log"
     worker = start_worker(slow, log, pool="solo")
     try:
@@ -353,7 +355,7 @@ def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(
     [running] = rows_of(db_url, TrainingCycle)
     assert running.status == "running"  # nobody could record anything
     assert trained_checkpoints(db_url) == []
-    assert visible_folders(slow.trainer.checkpoint_dir) == []
+    assert visible_folders(slow.trainer.checkpoints.dir) == []
     engine = create_engine(db_url)
     with engine.connect() as conn:  # the advisory lock died with the worker's connection
         assert conn.execute(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")).scalar() == 0
@@ -365,7 +367,7 @@ def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(
     lost, done = rows_of(db_url, TrainingCycle)
     assert (lost.status, lost.reason) == ("failed", "worker lost")
     assert done.checkpoint_id == outcome.checkpoint_id
-    root = slow.trainer.checkpoint_dir
+    root = slow.trainer.checkpoints.dir
     assert [p.name for p in visible_folders(root)] == [outcome.checkpoint_id]
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
 
@@ -374,7 +376,7 @@ def test_windows_advance_and_retention_deletes_old_checkpoints(db_url, base_mode
     from trainer.ckpt import read_sidecar
     from trainer.cycle import run_cycle
 
-    settings = make_settings(db_url, base_model_dir, tmp_path, keep_latest=1, parent="latest")
+    settings = make_settings(db_url, base_model_dir, tmp_path, checkpoints={"keep_latest": 1}, parent="latest")
     batches = []
     for i in range(3):
         batches.append(insert_rows(db_url, scored_rows[16 * i : 16 * (i + 1)]))
@@ -396,20 +398,22 @@ def test_cycle_past_its_time_limit_fails_with_the_reason(db_url, base_model_dir,
     from trainer.cycle import run_cycle
 
     insert_rows(db_url, scored_rows)
-    settings = make_settings(db_url, base_model_dir, tmp_path, time_limit_s=10.0, epochs=100, mini_batch_samples=4)
+    settings = make_settings(
+        db_url, base_model_dir, tmp_path, schedule={"time_limit_s": 10.0}, step={"epochs": 100, "mini_batch_samples": 4}
+    )
     outcome = run_cycle("manual:slow", "manual", settings)
     assert outcome.status == "failed" and outcome.reason.startswith("time limit (10 s)"), outcome
     assert trained_checkpoints(db_url) == []
-    assert visible_folders(settings.trainer.checkpoint_dir) == []
+    assert visible_folders(settings.trainer.checkpoints.dir) == []
 
 
 def test_cycle_under_torchrun(db_url, base_model_dir, scored_rows, tmp_path):
     from trainer.cycle import run_cycle
 
     insert_rows(db_url, scored_rows)
-    settings = make_settings(db_url, base_model_dir, tmp_path, nproc_per_node=2)
+    settings = make_settings(db_url, base_model_dir, tmp_path, distributed={"nproc_per_node": 2})
     outcome = run_cycle("manual:dist", "manual", settings)
     assert outcome.status in ("candidate", "rejected"), outcome
     [ckpt] = trained_checkpoints(db_url)
     assert ckpt.metrics["loss_after"] < ckpt.metrics["loss_before"]
-    assert not [p for p in settings.trainer.checkpoint_dir.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in settings.trainer.checkpoints.dir.iterdir() if p.name.startswith(".tmp-")]

@@ -23,15 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def batch(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     """A batch file (parent = the base model, 24 real samples with RLOO advantages) for torchrun."""
     from flywheel.core.settings import TrainerSettings
+    from flywheel.core.settings.trainer import AdvantageSettings
     from flywheel.model.build import read_sidecar
-    from trainer.advantages import AdvantageConfig, AdvInput, compute_advantages
+    from trainer.advantages import AdvInput, compute_advantages
     from trainer.ckpt import PolicyRef
     from trainer.distributed import write_batch
     from trainer.step import StepSample
 
     rows = sample_rows(base_model_dir, n_problems=6, group_size=4, seed=5)
     adv = compute_advantages(
-        [AdvInput(r["session_id"], r["group_key"], r["task"], r["reward"]) for r in rows], AdvantageConfig()
+        [AdvInput(r["session_id"], r["group_key"], r["task"], r["reward"]) for r in rows], AdvantageSettings()
     )
     samples = [
         StepSample(
@@ -42,7 +43,13 @@ def batch(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     version = read_sidecar(base_model_dir).policy_version
     parent = PolicyRef(version, version, str(base_model_dir), "full", str(base_model_dir))
     settings = TrainerSettings(
-        learning_rate=1e-3, mini_batch_samples=8, epochs=1, show_progress=False, micro_batch_tokens=400
+        step={
+            "learning_rate": 1e-3,
+            "mini_batch_samples": 8,
+            "epochs": 1,
+            "show_progress": False,
+            "micro_batch_tokens": 400,
+        }
     )
     path = tmp_path_factory.mktemp("dist") / "batch.pt"
     write_batch(path, parent, samples, settings)
@@ -77,14 +84,13 @@ def single_process(batch_path: Path) -> tuple[dict, float]:
 
     from flywheel.core.settings import TrainerSettings
     from trainer.ckpt import PolicyRef, load_trainable
-    from trainer.cycle import lora_spec, step_config
     from trainer.step import StepSample, train_on_batch
 
     payload = torch.load(batch_path, weights_only=False)
     settings = TrainerSettings.model_validate(payload["settings"])
-    model, tokenizer, _ = load_trainable(PolicyRef(**payload["parent"]), "full", lora_spec(settings), settings.seed)
+    model, tokenizer, _ = load_trainable(PolicyRef(**payload["parent"]), "full", settings.lora, settings.step.seed)
     result = train_on_batch(
-        model, [StepSample(**s) for s in payload["samples"]], step_config(settings), tokenizer.pad_token_id
+        model, [StepSample(**s) for s in payload["samples"]], settings.step, settings.loss, tokenizer.pad_token_id
     )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, result.loss_after
 

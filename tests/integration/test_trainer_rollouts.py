@@ -197,8 +197,9 @@ def shuffled(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
 def test_rollout_logprobs_give_unit_ratios_under_the_same_policy(base_model_dir):
     import torch
 
+    from flywheel.core.settings.trainer import StepSettings
     from flywheel.model.eval import load_policy
-    from trainer.step import StepConfig, StepSample, forward_batches, make_logprob_module, micro_batches
+    from trainer.step import StepSample, forward_batches, make_logprob_module, micro_batches
 
     rows = sample_rows(base_model_dir, n_problems=4, group_size=2, seed=7)
     assert all(len(r["completion_token_ids"]) == len(r["loss_mask"]) == len(r["behaviour_logprobs"]) for r in rows)
@@ -216,7 +217,7 @@ def test_rollout_logprobs_give_unit_ratios_under_the_same_policy(base_model_dir)
         )
         for i, r in enumerate(rows)
     ]
-    batches = micro_batches(samples, StepConfig(), tokenizer.pad_token_id)
+    batches = micro_batches(samples, StepSettings(), tokenizer.pad_token_id)
     logps = torch.cat([lp for lp, _ in forward_batches(make_logprob_module(model, 1.0), batches)])
     behaviour = torch.cat([mb.behaviour_logprobs for mb in batches])
     ratio = torch.exp(logps - behaviour)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from flywheel.core.settings.trainer import AdvantageSettings
 from trainer.advantages import (
-    AdvantageConfig,
     AdvInput,
     BaselineState,
     compute_advantages,
@@ -15,7 +15,7 @@ from trainer.advantages import (
     value_baseline,
 )
 
-RAW = AdvantageConfig(norm="none")
+RAW = AdvantageSettings(norm="none")
 
 
 def s(episode: str, reward: float, group: str | None = "g", kind: str | None = "add") -> AdvInput:
@@ -29,7 +29,7 @@ def test_rloo_uses_the_other_episodes_mean():
 
 
 def test_grpo_centres_and_scales_by_the_group_std():
-    out = compute_advantages([s("a", 1.0), s("b", 0.0)], AdvantageConfig(group="grpo", norm="none"))
+    out = compute_advantages([s("a", 1.0), s("b", 0.0)], AdvantageSettings(group="grpo", norm="none"))
     assert out.advantages == pytest.approx([1.0, -1.0], abs=1e-4)
 
 
@@ -55,14 +55,14 @@ def test_new_kind_uses_leave_one_out_batch_mean():
 
 def test_running_mean_state_moves_by_momentum():
     state = BaselineState(means={"add": 0.0}, counts={"add": 10})
-    out = compute_advantages([s("a", 1.0, group=None), s("b", 1.0, group=None)], AdvantageConfig(momentum=0.9), state)
+    out = compute_advantages([s("a", 1.0, group=None), s("b", 1.0, group=None)], AdvantageSettings(momentum=0.9), state)
     assert out.state.means["add"] == pytest.approx(0.1)
     assert out.state.counts["add"] == 12
     assert BaselineState.from_dict(out.state.to_dict()) == out.state
 
 
 def test_batch_normalisation_gives_unit_std():
-    out = compute_advantages([s("a", 3.0), s("b", 0.0), s("c", 0.0), s("d", 1.0)], AdvantageConfig(norm="batch"))
+    out = compute_advantages([s("a", 3.0), s("b", 0.0), s("c", 0.0), s("d", 1.0)], AdvantageSettings(norm="batch"))
     mean = sum(out.advantages) / 4
     std = math.sqrt(sum((a - mean) ** 2 for a in out.advantages) / 4)
     assert std == pytest.approx(1.0)
@@ -87,4 +87,4 @@ def test_value_baseline_is_leave_one_out():
 
 def test_value_baseline_needs_features():
     with pytest.raises(ValueError, match="features"):
-        compute_advantages([s("a", 1.0, group=None)], AdvantageConfig(baseline="value"))
+        compute_advantages([s("a", 1.0, group=None)], AdvantageSettings(baseline="value"))

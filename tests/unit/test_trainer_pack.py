@@ -6,10 +6,9 @@ import random
 
 import pytest
 
-from trainer.loss import LossConfig
+from flywheel.core.settings.trainer import LossSettings, StepSettings
 from trainer.step import (
     DistInfo,
-    StepConfig,
     StepSample,
     build_micro_batch,
     make_logprob_module,
@@ -71,7 +70,7 @@ def test_split_micro_batches_by_token_budget():
 
 
 def test_shard_plan_same_step_count_on_every_rank_and_disjoint():
-    config = StepConfig(mini_batch_samples=4, epochs=2)
+    config = StepSettings(mini_batch_samples=4, epochs=2)
     plans = [shard_plan(10, config, DistInfo(rank=r, world=2, strategy="ddp")) for r in range(2)]
     assert [len(e) for e in plans[0]] == [len(e) for e in plans[1]] == [3, 3]
     for epoch in range(2):
@@ -103,10 +102,11 @@ def test_only_masked_tokens_get_gradient():
     """A sample whose mask is all zero contributes nothing: the update equals training without it."""
     samples = random_samples(4, seed=3)
     silent = StepSample(99, [5, 6, 7], [8, 9], [0, 0], [-1.0, -1.0], 5.0, 1.0)
-    config = StepConfig(loss=LossConfig(kind="cispo"), learning_rate=1e-2, mini_batch_samples=8)
+    step = StepSettings(learning_rate=1e-2, mini_batch_samples=8, show_progress=False)
+    loss = LossSettings(kind="cispo")
     a, b = tiny_llama(), tiny_llama()
-    train_on_batch(a, samples, config, pad_id=0)
-    train_on_batch(b, samples + [silent], config, pad_id=0)
+    train_on_batch(a, samples, step, loss, pad_id=0)
+    train_on_batch(b, samples + [silent], step, loss, pad_id=0)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.allclose(pa, pb, atol=1e-6), name
 
@@ -115,7 +115,8 @@ def test_train_on_batch_lowers_the_batch_loss():
     samples = random_samples(16, seed=1)
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    result = train_on_batch(model, samples, StepConfig(learning_rate=5e-3, epochs=3, mini_batch_samples=8), pad_id=0)
+    step = StepSettings(learning_rate=5e-3, epochs=3, mini_batch_samples=8, show_progress=False)
+    result = train_on_batch(model, samples, step, LossSettings(), pad_id=0)
     assert result.loss_after < result.loss_before
     assert len(result.steps) == 6
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from trainer.gate import GateConfig, decide
+from flywheel.core.settings.trainer import TrainerSettings
+from trainer.gate import decide
 from trainer.registry import RetentionInfo, retained
 from trainer.select import DataWindow, SampleMeta, SelectionRules, allowed_versions, choose
 
@@ -94,7 +95,7 @@ def test_retention_keeps_latest_best_deployed_roots_and_lora_bases():
 
 
 def test_gate_passes_within_margin_and_rejects_beyond():
-    cfg = GateConfig(n=100, margin=0.05)
+    cfg = TrainerSettings(gate={"margin": 0.05, "suites": {"arith": {"n": 100}}})
     ok = decide({"success_rate": 0.42, "n": 100}, {"success_rate": 0.45}, cfg)
     assert ok.passed and ok.reason.startswith("passed")
     bad = decide({"success_rate": 0.30, "n": 100}, {"success_rate": 0.45}, cfg)

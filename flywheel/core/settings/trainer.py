@@ -1,33 +1,41 @@
-"""Settings: the trainer."""
+"""Settings: the trainer.
+
+One section per concern; every field is ``FLYWHEEL_TRAINER__<SECTION>__<FIELD>``
+(``FLYWHEEL_TRAINER__SCHEDULE__INTERVAL_S=30``, ``FLYWHEEL_TRAINER__LORA__RANK=16``), and the
+two top-level choices ``FLYWHEEL_TRAINER__MODE`` and ``FLYWHEEL_TRAINER__PARENT``. The trainer
+reads these models directly (``trainer.step`` takes ``step`` and ``loss``, ``trainer.ckpt``
+takes ``lora``, ...). An unknown field is refused, so a misspelt variable (or one of the flat
+names used before the sections, such as ``FLYWHEEL_TRAINER__GATE_MARGIN``) fails loudly.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+STRICT = ConfigDict(extra="forbid")
 
 
-class TrainerSettings(BaseModel):
-    """The trainer: schedule, data selection, the update, checkpoints and the eval gate."""
+class ScheduleSettings(BaseModel):
+    """When cycles run: the beat interval, the time limit and the Celery queue."""
 
-    schedule_seconds: float = Field(3600.0, ge=1.0, le=7 * 86400.0)
+    model_config = STRICT
+
+    interval_s: float = Field(3600.0, ge=1.0, le=7 * 86400.0)
     """Interval of the beat schedule between training cycles."""
     time_limit_s: float = Field(1800.0, ge=10.0, le=86400.0)
     """Longest one cycle may run; beyond it the cycle is ``failed: time limit``."""
     queue: str = Field("trainer", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     """Celery queue of the training task."""
-    checkpoint_dir: Path = Path(".flywheel/checkpoints")
-    """Where checkpoints are written, one folder per checkpoint id (owned by one registry)."""
-    metrics_port: int | None = Field(None, ge=1, le=65535)
-    """Port of the worker's Prometheus endpoint; None disables it."""
-    metrics_textfile: Path = Path(".flywheel/run/trainer.prom")
-    """Prometheus text file rewritten after every step and cycle (node-exporter textfile format)."""
-    parent: Literal["stable", "latest", "lineage"] = "stable"
-    """What a cycle trains from: the stable deployment's checkpoint (else the base); the newest candidate;
-    or ``lineage``: the newest checkpoint descending from the stable through checkpoints still on trial
-    (gated candidates and the active canary), so training goes on while a canary is judged and a rolled-back
-    lineage is dropped (``trainer.registry.pending_lineage_tip``)."""
+
+
+class DataSettings(BaseModel):
+    """Which scored samples a cycle trains on (``trainer.select``)."""
+
+    model_config = STRICT
+
     min_samples: int = Field(64, ge=1, le=1_000_000)
     """Fewest trainable samples a cycle trains on; below it the cycle is skipped with the counts."""
     max_samples: int = Field(1024, ge=1, le=1_000_000)
@@ -38,20 +46,37 @@ class TrainerSettings(BaseModel):
     """The data window ends this long before the cycle starts, so rows still being committed are not skipped."""
     trainable_roles: list[str] = Field(default_factory=lambda: ["agent", "orchestrator"], min_length=1)
     """Agent roles whose tokens are trained; other roles (frozen sub-agents) carry no gradient."""
-    mode: Literal["full", "lora"] = "full"
-    """Train every weight, or a LoRA adapter (peft) over the parent's base."""
-    lora_rank: int = Field(8, ge=1, le=256)
-    """LoRA rank."""
-    lora_alpha: float = Field(16.0, gt=0.0, le=1024.0)
-    """LoRA scaling numerator (scale = alpha / rank)."""
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on the LoRA path."""
-    lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-    )
-    """Module names that get LoRA adapters."""
-    loss: Literal["cispo", "ppo"] = "cispo"
+
+    @model_validator(mode="after")
+    def _sample_bounds(self) -> DataSettings:
+        if self.min_samples > self.max_samples:
+            raise ValueError("trainer.data.min_samples must not exceed trainer.data.max_samples")
+        return self
+
+
+class AdvantageSettings(BaseModel):
+    """How advantages are estimated (``trainer.advantages``)."""
+
+    model_config = STRICT
+
+    group: Literal["rloo", "grpo"] = "rloo"
+    """Group-relative estimator where a group key has several episodes."""
+    baseline: Literal["running_mean", "value"] = "running_mean"
+    """Baseline elsewhere: a running mean per task kind, or a learned (ridge, leave-one-out) value."""
+    norm: Literal["none", "batch"] = "batch"
+    """Scale the advantages by their batch standard deviation."""
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of the running-mean baseline across cycles."""
+    value_l2: float = Field(1.0, gt=0.0, le=1e6)
+    """Ridge penalty of the learned value baseline."""
+
+
+class LossSettings(BaseModel):
+    """The per-token policy-gradient loss (``trainer.loss``)."""
+
+    model_config = STRICT
+
+    kind: Literal["cispo", "ppo"] = "cispo"
     """CISPO (truncated, stop-gradient importance weight on log-prob) or PPO-clip."""
     is_ratio_min: float = Field(0.0, ge=0.0, le=1.0)
     """CISPO: lower truncation of the importance ratio (0 = none)."""
@@ -63,18 +88,13 @@ class TrainerSettings(BaseModel):
     """PPO: the ratio is clipped above at 1 + ppo_clip_high."""
     kl_coef: float = Field(0.0, ge=0.0, le=10.0)
     """Weight of the k3 KL estimate to the parent checkpoint; 0 disables it."""
-    sampling_temperature: float = Field(1.0, gt=0.0, le=10.0)
-    """Temperature serving sampled with; logits are divided by it before log-probs."""
-    advantage_group: Literal["rloo", "grpo"] = "rloo"
-    """Group-relative estimator where a group key has several episodes."""
-    advantage_baseline: Literal["running_mean", "value"] = "running_mean"
-    """Baseline elsewhere: a running mean per task kind, or a learned (ridge, leave-one-out) value."""
-    advantage_norm: Literal["none", "batch"] = "batch"
-    """Scale the advantages by their batch standard deviation."""
-    baseline_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    """Momentum of the running-mean baseline across cycles."""
-    value_l2: float = Field(1.0, gt=0.0, le=1e6)
-    """Ridge penalty of the learned value baseline."""
+
+
+class StepSettings(BaseModel):
+    """The update of one cycle (``trainer.step``): AdamW, batches, packing, seed, log-prob temperature."""
+
+    model_config = STRICT
+
     learning_rate: float = Field(2e-4, gt=0.0, le=1.0)
     """AdamW learning rate (constant within a cycle)."""
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
@@ -91,31 +111,110 @@ class TrainerSettings(BaseModel):
     """Gradient norm clipping."""
     seed: int = Field(0, ge=0)
     """Seed of the sample order, LoRA initialisation and dropout."""
+    sampling_temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Temperature serving sampled with; logits are divided by it before log-probs (the gate samples with it)."""
     torch_threads: int | None = Field(None, ge=1, le=512)
     """torch intra-op threads; None keeps torch's default."""
-    nproc_per_node: int = Field(1, ge=1, le=64)
-    """Processes of the training step; above 1 the step runs under torchrun."""
-    distributed_strategy: Literal["ddp", "fsdp"] = "ddp"
-    """How the step is parallelised under torchrun."""
     show_progress: bool = True
     """Show a progress bar over the optimizer steps."""
-    gate_n: int = Field(200, ge=1, le=100_000)
-    """Held-out problems the eval gate runs (the same ones for candidate and parent)."""
-    gate_seed: int = Field(1234, ge=0)
-    """Seed of the gate's problems and sampling."""
-    gate_margin: float = Field(0.05, ge=0.0, le=1.0)
+
+
+class LoraSettings(BaseModel):
+    """The LoRA adapter trained in ``mode="lora"`` (peft)."""
+
+    model_config = STRICT
+
+    rank: int = Field(8, ge=1, le=256)
+    """LoRA rank."""
+    alpha: float = Field(16.0, gt=0.0, le=1024.0)
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA path."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """Module names that get LoRA adapters."""
+
+
+class DistributedSettings(BaseModel):
+    """The step under torchrun (``trainer.distributed``)."""
+
+    model_config = STRICT
+
+    nproc_per_node: int = Field(1, ge=1, le=64)
+    """Processes of the training step; above 1 the step runs under torchrun."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the step is parallelised under torchrun."""
+
+
+class GateSettings(BaseModel):
+    """The eval gate: which eval suite measures a candidate against its parent, and the tolerated regression."""
+
+    model_config = STRICT
+
+    suite: str = Field("arith", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Eval suite the gate runs: a plug-in of the ``flywheel.eval_suites`` entry-point group."""
+    margin: float = Field(0.05, ge=0.0, le=1.0)
     """A candidate may be at most this much worse (held-out success rate) than its parent."""
-    gate_max_new_tokens: int = Field(24, ge=1, le=4096)
-    """Longest turn the gate generates."""
-    gate_batch_size: int = Field(200, ge=1, le=100_000)
-    """Episodes the gate runs in lock step."""
+    suites: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Settings of each eval suite by name (``FLYWHEEL_TRAINER__GATE__SUITES__ARITH__N=100``), validated
+    against the suite's own ``Settings`` model when the gate runs; a suite left out runs with its defaults."""
+
+
+class CheckpointSettings(BaseModel):
+    """Where checkpoints are written and how many are kept (``trainer.ckpt``, retention)."""
+
+    model_config = STRICT
+
+    dir: Path = Path(".flywheel/checkpoints")
+    """Where checkpoints are written, one folder per checkpoint id (owned by one registry)."""
     keep_latest: int = Field(3, ge=1, le=1000)
     """Retention keeps this many newest checkpoints."""
     keep_deployed_days: float = Field(7.0, ge=0.0, le=3650.0)
     """Retention keeps every checkpoint deployed now or within this many days."""
 
-    @model_validator(mode="after")
-    def _sample_bounds(self) -> TrainerSettings:
-        if self.min_samples > self.max_samples:
-            raise ValueError("trainer.min_samples must not exceed trainer.max_samples")
-        return self
+
+class MetricsSettings(BaseModel):
+    """The trainer's Prometheus metrics (``trainer.metrics``)."""
+
+    model_config = STRICT
+
+    port: int | None = Field(None, ge=1, le=65535)
+    """Port of the worker's Prometheus endpoint; None disables it."""
+    textfile: Path = Path(".flywheel/run/trainer.prom")
+    """Prometheus text file rewritten after every step and cycle (node-exporter textfile format)."""
+
+
+class TrainerSettings(BaseModel):
+    """The trainer: schedule, data selection, the update, checkpoints and the eval gate."""
+
+    model_config = STRICT
+
+    mode: Literal["full", "lora"] = "full"
+    """Train every weight, or a LoRA adapter (peft) over the parent's base."""
+    parent: Literal["stable", "latest", "lineage"] = "stable"
+    """What a cycle trains from: the stable deployment's checkpoint (else the base); the newest candidate;
+    or ``lineage``: the newest checkpoint descending from the stable through checkpoints still on trial
+    (gated candidates and the active canary), so training goes on while a canary is judged and a rolled-back
+    lineage is dropped (``trainer.registry.pending_lineage_tip``)."""
+    schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
+    """Beat interval, time limit, queue."""
+    data: DataSettings = Field(default_factory=DataSettings)
+    """Data selection and staleness."""
+    advantages: AdvantageSettings = Field(default_factory=AdvantageSettings)
+    """Advantage estimation."""
+    loss: LossSettings = Field(default_factory=LossSettings)
+    """The policy-gradient loss."""
+    step: StepSettings = Field(default_factory=StepSettings)
+    """The update: optimizer, batches, packing."""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """LoRA hyper-parameters (``mode="lora"``)."""
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
+    """torchrun processes and strategy."""
+    gate: GateSettings = Field(default_factory=GateSettings)
+    """The eval gate and its suite."""
+    checkpoints: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    """Checkpoint folder and retention."""
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    """Prometheus endpoint and text file."""
