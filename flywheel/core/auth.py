@@ -15,12 +15,11 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-    from flywheel.core.db.models import ApiKey
+from flywheel.core.db.models import ApiKey
 
 WRITE_KEY_PREFIX = "fwk_"
 """Prefix of gateway write keys."""
@@ -115,8 +114,6 @@ def create_key(
     Writers get the ``fwk_`` prefix and need a project; other roles get ``fwo_``.
     The caller commits the session.
     """
-    from flywheel.core.db.models import ApiKey
-
     if role not in ROLES:
         raise ValueError(f"role: must be one of {', '.join(ROLES)} (got {role!r})")
     if role == "writer" and not project:
@@ -136,10 +133,6 @@ def find_key(session: Session, token: str, *, touch: bool = False) -> KeyInfo | 
 
     ``touch`` records the use in ``last_used_at`` (the caller commits).
     """
-    from sqlalchemy import select
-
-    from flywheel.core.db.models import ApiKey
-
     token_hash = hash_token(token)
     row = session.scalars(select(ApiKey).where(ApiKey.token_hash == token_hash)).one_or_none()
     if row is None or not verify(token, row.token_hash):
@@ -151,10 +144,6 @@ def find_key(session: Session, token: str, *, touch: bool = False) -> KeyInfo | 
 
 def list_keys(session: Session, *, role: str | None = None, project: str | None = None) -> list[KeyInfo]:
     """Every key (newest first), optionally of one role and/or project; never the tokens."""
-    from sqlalchemy import select
-
-    from flywheel.core.db.models import ApiKey
-
     query = select(ApiKey).order_by(ApiKey.id.desc())
     if role is not None:
         query = query.where(ApiKey.role == role)
@@ -165,8 +154,6 @@ def list_keys(session: Session, *, role: str | None = None, project: str | None 
 
 def revoke_key(session: Session, key_id: int) -> KeyInfo:
     """Mark key ``key_id`` revoked (idempotent: a revoked key keeps its first revocation time)."""
-    from flywheel.core.db.models import ApiKey
-
     row = session.get(ApiKey, key_id)
     if row is None:
         raise KeyNotFound(f"no API key with id {key_id}")

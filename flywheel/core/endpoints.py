@@ -72,7 +72,7 @@ def ensure_database(url: str) -> str:
     Connects to the server's ``postgres`` maintenance database with the same role.
     Safe to race: a concurrent creator's win counts as success.
     """
-    import psycopg
+    import psycopg  # lazy: the driver only to create or drop a database, not to resolve an endpoint
     from psycopg import errors, sql
 
     name = _database_name(url)
@@ -88,7 +88,7 @@ def ensure_database(url: str) -> str:
 
 def drop_database(url: str) -> None:
     """Drop the database that ``url`` names (if it exists), ending its connections."""
-    import psycopg
+    import psycopg  # lazy: as in ensure_database
     from psycopg import sql
 
     name = _database_name(url)

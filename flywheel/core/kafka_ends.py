@@ -19,6 +19,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from kafka import KafkaConsumer, TopicPartition
+
 log = logging.getLogger(__name__)
 
 K = TypeVar("K")
@@ -34,8 +36,6 @@ def fetched_ends(
     A partition that returns nothing within ``timeout_s`` keeps its reported end (logged).
     ``client``: more settings of the kafka-python consumer used for the fetch.
     """
-    from kafka import KafkaConsumer, TopicPartition
-
     ends = {tp: end or 0 for tp, end in reported.items()}
     wanted = {TopicPartition(tp.topic, tp.partition): tp for tp, end in ends.items() if end > 0}
     if not wanted:

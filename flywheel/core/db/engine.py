@@ -7,6 +7,9 @@ from functools import lru_cache
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import sessionmaker
 
+from flywheel.core.endpoints import postgres_url
+from flywheel.core.settings import get_settings
+
 
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
@@ -21,7 +24,4 @@ def session_factory(url: str) -> sessionmaker:
 
 def default_url() -> str:
     """The database URL from settings."""
-    from flywheel.core.endpoints import postgres_url
-    from flywheel.core.settings import get_settings
-
     return postgres_url(get_settings())

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine
 
 ROOT = Path(__file__).resolve().parents[3]
 MIGRATIONS = ROOT / "migrations"
@@ -31,9 +33,6 @@ def downgrade(url: str, revision: str = "base") -> None:
 
 def current(url: str) -> str | None:
     """The revision the database is at, or None for an empty database."""
-    from alembic.runtime.migration import MigrationContext
-    from sqlalchemy import create_engine
-
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
