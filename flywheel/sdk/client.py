@@ -29,18 +29,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar, Token
 from enum import Enum
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from flywheel import __version__
+from flywheel.core.contracts.events import FeedbackKind
 from flywheel.core.contracts.ids import uuid7
 from flywheel.sdk.redact import RedactFn, Redactor, chain
 from flywheel.sdk.sender import Counters, EventBuilder, Fields, RateLimitedLog, Record, SdkStats, Sender
 from flywheel.sdk.settings import SdkSettings
 from flywheel.sdk.spool import Spool
 from flywheel.sdk.transports import Transport, make_transport
-
-if TYPE_CHECKING:
-    from flywheel.core.contracts.events import FeedbackKind
 
 log = logging.getLogger("flywheel.sdk")
 
@@ -644,7 +642,7 @@ class Flywheel:
     def wrap_openai(self, client: C, *, request_token_data: bool = True) -> C:
         """Log every chat / text completion of an ``openai.OpenAI`` or ``AsyncOpenAI`` client;
         see :mod:`flywheel.sdk.openai`."""
-        from flywheel.sdk.openai import wrap
+        from flywheel.sdk.openai import wrap  # lazy: the openai library only for a product that wraps a client
 
         return wrap(client, self, request_token_data=request_token_data)
 

@@ -41,15 +41,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import openai
 from openai import AsyncStream, Stream
 
 from flywheel.core.contracts import headers
-
-if TYPE_CHECKING:
-    from flywheel.sdk.client import Flywheel, Scope
+from flywheel.sdk.client import Flywheel, Scope, current_scope
 
 log = logging.getLogger("flywheel.sdk")
 
@@ -560,8 +558,6 @@ class LoggedAsyncStream(AsyncStream):  # type: ignore[type-arg]
 
 def _target_scope(explicit: Any) -> Scope | None:
     """The scope a call belongs to: an explicit ``session=`` argument, else the current one (sampled or not)."""
-    from flywheel.sdk.client import Scope, current_scope
-
     return explicit if isinstance(explicit, Scope) else current_scope()
 
 

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from flywheel.core.contracts.topics import events_topic
+from flywheel.sdk.settings import SdkSettings
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport, TransportUnavailable
-
-if TYPE_CHECKING:
-    from flywheel.sdk.settings import SdkSettings
 
 
 def no_broker_configured() -> str:
@@ -19,7 +15,7 @@ def no_broker_configured() -> str:
 def make_transport(settings: SdkSettings) -> Transport:
     """The transport that ``settings.transport`` names; raises ``ValueError`` on an unknown one."""
     if settings.transport == "kafka":
-        from flywheel.sdk.transports.kafka import KafkaTransport
+        from flywheel.sdk.transports.kafka import KafkaTransport  # lazy: kafka-python only for this transport
 
         bootstrap = settings.kafka_bootstrap or no_broker_configured
         return KafkaTransport(
@@ -30,7 +26,7 @@ def make_transport(settings: SdkSettings) -> Transport:
             request_timeout_s=settings.kafka_request_timeout_s,
         )
     if settings.transport == "http":
-        from flywheel.sdk.transports.http import HttpTransport
+        from flywheel.sdk.transports.http import HttpTransport  # lazy: httpx only for this transport
 
         if settings.write_key is None or not settings.write_key.get_secret_value():
             raise ValueError("the http transport needs a write key: pass write_key= or set FLYWHEEL_WRITE_KEY")

@@ -19,6 +19,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+try:  # this module is imported only when the kafka transport is chosen (flywheel.sdk.transports.make_transport)
+    from kafka import KafkaProducer
+    from kafka.errors import InvalidTopicError, KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
+    from kafka.partitioner.default import DefaultPartitioner, murmur2
+except ImportError as err:
+    raise ImportError("the kafka transport needs kafka-python: pip install 'flywheel[sdk]'") from err
+
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport, TransportUnavailable, failed
 
 log = logging.getLogger("flywheel.sdk")
@@ -59,7 +66,6 @@ class KafkaTransport(Transport):
         self._request_timeout_s = request_timeout_s
         self._client_id = client_id
         self._producer: Any = None
-        _import_kafka()  # here, at setup: a missing kafka-python fails now, and no import runs mid-traffic
 
     @property
     def delivery_timeout_s(self) -> float:
@@ -68,8 +74,6 @@ class KafkaTransport(Transport):
 
     def send(self, batch: Sequence[Envelope]) -> SendResult:
         """Produce ``batch`` and wait for every acknowledgement (bounded by the delivery timeout)."""
-        from kafka.errors import KafkaError
-
         try:
             producer = self._ensure_producer()
         except TransportUnavailable as err:
@@ -136,9 +140,6 @@ class KafkaTransport(Transport):
         """The live producer, created on first use; raises :class:`TransportUnavailable`."""
         if self._producer is not None:
             return self._producer
-        from kafka import KafkaProducer
-        from kafka.errors import KafkaError
-
         bootstrap = self._resolve_bootstrap()
         request_ms = int(self._request_timeout_s * 1000)
         try:
@@ -181,20 +182,11 @@ class KafkaTransport(Transport):
             _close_producer(producer, 0.0)
 
 
-def _import_kafka() -> None:
-    """Import kafka-python's producer machinery (raises ``ImportError`` naming the extra to install)."""
-    try:
-        import kafka.errors  # noqa: F401
-        from kafka import KafkaProducer  # noqa: F401
-    except ImportError as err:
-        raise ImportError("the kafka transport needs kafka-python: pip install 'flywheel[sdk]'") from err
-
-
 PARTITION_MEMO_KEYS = 65_536
 """Session keys whose murmur2 hash the partitioner remembers (then it starts over)."""
 
 
-def _memo_partitioner() -> Any:
+class MemoPartitioner(DefaultPartitioner):
     """kafka-python's default partitioner, with each key's murmur2 hash remembered.
 
     The partition is exactly the default one (``murmur2(key) & 0x7fffffff`` modulo the
@@ -202,24 +194,25 @@ def _memo_partitioner() -> Any:
     session lands on the same partition whoever produces it. kafka-python's murmur2 is pure
     Python and costs microseconds per record; a session's key repeats for all its events.
     """
-    from kafka.partitioner.default import DefaultPartitioner, murmur2
 
-    class MemoPartitioner(DefaultPartitioner):
-        def __init__(self) -> None:
-            self._hashes: dict[bytes, int] = {}
+    def __init__(self) -> None:
+        self._hashes: dict[bytes, int] = {}
 
-        def partition(self, topic: str, key: Any, serialized_key: bytes | None, value: Any,
-                      serialized_value: Any, cluster: Any) -> int:  # fmt: skip
-            if serialized_key is None or topic not in cluster.topics():
-                return super().partition(topic, key, serialized_key, value, serialized_value, cluster)
-            hashed = self._hashes.get(serialized_key)
-            if hashed is None:
-                if len(self._hashes) >= PARTITION_MEMO_KEYS:
-                    self._hashes.clear()
-                hashed = self._hashes[serialized_key] = murmur2(serialized_key) & 0x7FFFFFFF
-            partitions = sorted(cluster.partitions_for_topic(topic))
-            return partitions[hashed % len(partitions)]
+    def partition(self, topic: str, key: Any, serialized_key: bytes | None, value: Any,
+                  serialized_value: Any, cluster: Any) -> int:  # fmt: skip
+        if serialized_key is None or topic not in cluster.topics():
+            return super().partition(topic, key, serialized_key, value, serialized_value, cluster)
+        hashed = self._hashes.get(serialized_key)
+        if hashed is None:
+            if len(self._hashes) >= PARTITION_MEMO_KEYS:
+                self._hashes.clear()
+            hashed = self._hashes[serialized_key] = murmur2(serialized_key) & 0x7FFFFFFF
+        partitions = sorted(cluster.partitions_for_topic(topic))
+        return partitions[hashed % len(partitions)]
 
+
+def _memo_partitioner() -> MemoPartitioner:
+    """A fresh :class:`MemoPartitioner` (one per producer)."""
     return MemoPartitioner()
 
 
@@ -230,8 +223,6 @@ def _close_producer(producer: Any, timeout_s: float) -> None:
     are still pending and then leaves its I/O thread running; force-closing that thread
     is the only way not to leak it.
     """
-    from kafka.errors import KafkaError
-
     try:
         producer.close(timeout=timeout_s)
     except KafkaError as err:
@@ -244,8 +235,6 @@ def _close_producer(producer: Any, timeout_s: float) -> None:
 
 def _is_permanent(err: BaseException | None) -> bool:
     """Errors that no retry can fix: the record itself is unacceptable."""
-    from kafka.errors import InvalidTopicError, MessageSizeTooLargeError, RecordListTooLargeError
-
     return isinstance(err, (MessageSizeTooLargeError, RecordListTooLargeError, InvalidTopicError))
 
 
