@@ -43,9 +43,13 @@ from pydantic import BaseModel, Field
 
 from flywheel.core.fsutil import fsync_dir, fsync_tree
 from flywheel.core.settings import ModelSettings, get_settings
-from flywheel.model.tokenizer import ROLES
+from flywheel.model.eval import heldout_success, load_policy
+from flywheel.model.tokenizer import ROLES, train_tokenizer
 from flywheel.task import arith
 
+# torch and transformers are imported inside the functions that train and save: serving and the trainer
+# import this module for its cache helpers (build_key, is_complete, read_sidecar, build_model of a built key)
+# and must not load them for that.
 if TYPE_CHECKING:
     import torch
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -235,8 +239,6 @@ def _build_into(folder: Path, settings: ModelSettings, key: str) -> None:
     import torch
     import transformers
 
-    from flywheel.model.eval import heldout_success, load_policy
-
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
@@ -279,8 +281,6 @@ def _band_distance(success: float) -> float:
 
 def _calibrated_pretrain(folder: Path, settings: ModelSettings) -> tuple[PretrainSummary, list[CalibrationAttempt]]:
     """Pre-train into ``folder`` until the calibration success lies in the band (see the module docstring)."""
-    from flywheel.model.eval import heldout_success, load_policy
-
     attempts: list[CalibrationAttempt] = []
     summaries: list[PretrainSummary] = []
     for attempt in range(CALIBRATION_ATTEMPTS):
@@ -313,8 +313,6 @@ def _calibrated_pretrain(folder: Path, settings: ModelSettings) -> tuple[Pretrai
 def _train_and_save(folder: Path, settings: ModelSettings, seed: int) -> PretrainSummary:
     """Corpus and tokenizer (fixed by ``settings.seed``), initialisation and pre-training (by ``seed``), saved."""
     import torch
-
-    from flywheel.model.tokenizer import train_tokenizer
 
     rng = random.Random(f"flywheel-corpus:{settings.seed}")
     tokenizer_chats = demonstrations(TOKENIZER_CORPUS_CHATS, rng)

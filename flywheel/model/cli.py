@@ -6,6 +6,8 @@ torch and transformers are imported inside the commands, so ``flywheel --help`` 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import typer
@@ -21,8 +23,6 @@ def build(
     ),
 ) -> None:
     """Build (or reuse) the base model; print its folder, size and held-out success."""
-    import logging
-
     from flywheel.model.build import BuildError, build_model, read_sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -44,8 +44,6 @@ def build(
 
 def _publish_copy(folder: Path, output: Path) -> Path:
     """Copy a built model to ``output`` atomically (temporary sibling, then rename); replaces an older copy."""
-    import shutil
-
     output = output.resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp")

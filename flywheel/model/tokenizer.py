@@ -37,6 +37,7 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Train the BPE on ``texts`` and wrap it with special tokens and the chat template."""
+    # lazy: flywheel.model.build imports this module, and serving imports build without training
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
