@@ -7,9 +7,13 @@ on the last line. The baseline is measured in the same run: the base model's hel
 success (the same 200 held-out problems and sampling the eval gate uses for every checkpoint).
 
 Target (the flywheel issue): ``gain_points`` >= 25 within ``minutes`` <= 20, through
-``promotions`` >= 2, from live traffic alone; with ``--inject-regression`` the damaged
-canary must be rolled back (``regression_rolled_back``) and ``regression_rollback_sessions``
-says how many canary sessions it took.
+``promotions`` >= 2, from live traffic alone; with ``--inject-regression`` (the same scene as
+``flywheel demo --inject-regression``, :mod:`flywheel.demo.regression`: ops pause the trainer
+and the controller, make room, deploy a damaged checkpoint as canary, resume the controller)
+the damaged canary must be rolled back (``regression_rolled_back``);
+``regression_rollback_sessions`` and ``regression_seconds`` say how many canary sessions and
+seconds it took, ``regression_cleared`` which undecided canaries ops rolled back first, and
+``regression_error`` what went wrong when it did not happen.
 """
 
 from __future__ import annotations

@@ -58,7 +58,9 @@ def demo(
     target_promotions: int = typer.Option(2, min=0, help="... and this many promotions."),
     concurrency: int = typer.Option(6, min=1, max=64, help="Concurrent agent sessions."),
     report_dir: str = typer.Option(".flywheel/report", help="Where the plot and the JSON summary go."),
-    keep_up: bool = typer.Option(False, help="Leave the stack running after the demo."),
+    keep_up: bool = typer.Option(
+        False, help="Leave everything running after the demo (stack, services, dashboard) until `flywheel down`."
+    ),
     smoke: bool = typer.Option(False, help="Only the stack smoke run (every component answers), no learning loop."),
 ) -> None:
     """Run the main job: the flywheel learns from its own traffic, live, then a summary and a report."""

@@ -4,7 +4,8 @@ The damaged checkpoint is the stable checkpoint with noise added to every weight
 a well-formed checkpoint (it loads, it answers) that is clearly worse at the task, the
 kind of regression the eval gate exists for. Here ops bypass the gate on purpose and
 deploy it as canary through the admin API, to show that the canary controller catches
-what the live rewards prove worse and rolls it back on its own.
+what the live rewards prove worse and rolls it back on its own. :class:`Ops` is what an
+operator does through the admin API; :mod:`flywheel.demo.regression` runs the scene.
 """
 
 from __future__ import annotations
@@ -67,30 +68,87 @@ def damaged_checkpoint(engine: Any, settings: Settings, seed: int = 0) -> str:
     return checkpoint_id
 
 
-def ops_token(engine: Any, name: str = "demo-ops") -> str:
-    """An operator token for the demo's ops actions (shown nowhere; only its hash is stored)."""
+def ops_token(engine: Any, name: str = "demo-ops", role: str = "operator") -> str:
+    """A token for the demo's ops actions (``operator``) or for a person to look around (``viewer``).
+
+    Only its hash is stored.
+    """
     from sqlalchemy.orm import Session
 
     from flywheel.core.auth import create_key
 
     with Session(engine) as session:
-        _, token = create_key(session, name=f"{name}-{uuid.uuid4().hex[:6]}", role="operator", created_by="demo")
+        _, token = create_key(session, name=f"{name}-{uuid.uuid4().hex[:6]}", role=role, created_by="demo")
         session.commit()
     return token
 
 
-def deploy_through_admin(engine: Any, settings: Settings, checkpoint_id: str, weight: float) -> dict[str, Any]:
-    """``POST /v1/canary`` on the admin API, as ops would (``flywheel deploy``); returns the API's answer."""
-    import httpx
+class AdminRefused(RuntimeError):
+    """The admin API refused a call (``status`` its HTTP status) or did not answer (``status`` None)."""
 
-    s = settings.serving
-    url = s.admin_url or f"http://{s.admin_host}:{s.admin_port}"
-    response = httpx.post(
-        f"{url.rstrip('/')}/v1/canary",
-        json={"checkpoint_id": checkpoint_id, "weight": weight},
-        headers={"Authorization": f"Bearer {ops_token(engine)}"},
-        timeout=600,
-    )
-    if response.status_code >= 400:
-        raise RuntimeError(f"the admin API refused the canary: HTTP {response.status_code}: {response.text[:500]}")
-    return response.json()
+    def __init__(self, method: str, path: str, status: int | None, reason: str):
+        self.status = status
+        self.reason = reason
+        how = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"{method} {path}: {how}: {reason}")
+
+
+class Ops:
+    """What an operator does through the admin API (``flywheel deploy``, ``rollback``, ``canary pause`` ...)."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        """Deployments hot-swap replicas before they answer: minutes on a busy machine."""
+
+    @classmethod
+    def for_demo(cls, engine: Any, settings: Settings) -> Ops:
+        """An operator token of its own, and the admin API of ``settings``."""
+        s = settings.serving
+        return cls(s.admin_url or f"http://{s.admin_host}:{s.admin_port}", ops_token(engine))
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The API's JSON answer; :class:`AdminRefused` for an error status or no answer."""
+        import httpx
+
+        try:
+            response = httpx.request(method, f"{self.url}{path}", json=body, timeout=self.timeout_s,
+                                     headers={"Authorization": f"Bearer {self.token}"})  # fmt: skip
+        except httpx.HTTPError as err:
+            raise AdminRefused(method, path, None, f"{type(err).__name__}: {err}") from err
+        if response.status_code >= 400:
+            try:
+                reason = str(response.json().get("reason") or response.text)
+            except ValueError:
+                reason = response.text
+            raise AdminRefused(method, path, response.status_code, reason[:500])
+        return response.json()
+
+    def canary(self) -> dict[str, Any]:
+        """``GET /v1/canary``: the controller's flag and the fleet's canary (or None) and stable."""
+        return self.call("GET", "/v1/canary")
+
+    def pause(self, what: str, reason: str) -> None:
+        """Pause ``trainer`` or ``canary`` (the controller)."""
+        self.call("POST", f"/v1/{what}/pause", {"reason": reason})
+
+    def resume(self, what: str, reason: str) -> None:
+        """Resume ``trainer`` or ``canary``."""
+        self.call("POST", f"/v1/{what}/resume", {"reason": reason})
+
+    def audit(self, action: str, limit: int = 20) -> list[dict[str, Any]]:
+        """``GET /v1/audit``: the newest entries of ``action`` (``flywheel audit``)."""
+        return self.call("GET", f"/v1/audit?action={action}&limit={limit}")["items"]
+
+    def deploy_canary(self, checkpoint_id: str, weight: float) -> dict[str, Any]:
+        """``POST /v1/canary`` (``flywheel deploy``)."""
+        return self.call("POST", "/v1/canary", {"checkpoint_id": checkpoint_id, "weight": weight})
+
+    def rollback_canary(self, stable_checkpoint_id: str, reason: str) -> dict[str, Any]:
+        """End the canary, back to ``stable_checkpoint_id`` (``flywheel rollback``).
+
+        Naming the stable makes the call harmless when the canary ended meanwhile: the API
+        then refuses (it is already the stable) instead of rolling the stable back.
+        """
+        return self.call("POST", "/v1/rollback", {"to_checkpoint_id": stable_checkpoint_id, "reason": reason})

@@ -13,7 +13,11 @@
    and simulated user feedback.
 4. A live view shows the loop; at the end a summary table and a report folder (plot,
    canary decisions, JSON summary). With ``inject_regression`` a deliberately damaged
-   checkpoint is deployed as canary through the admin API and must be rolled back.
+   checkpoint is deployed as canary through the admin API and must be rolled back
+   (:mod:`flywheel.demo.regression`).
+5. Everything stops, unless ``keep_up``: then the stack and the services stay up (the
+   services recorded in ``stack.json``) until ``flywheel down``, and the demo prints where
+   the dashboard is and a viewer token to log in with.
 
 Nothing is skipped or faked: every number comes from the tables the services write.
 """
@@ -78,11 +82,14 @@ class DemoConfig:
     inject_regression: bool = False
     """After learning, deploy a damaged checkpoint as canary and show it rolled back."""
     regression_budget_minutes: float = 6.0
-    """Longest the regression phase waits for the rollback."""
+    """Longest the regression phase runs (making room, deploying, waiting for the rollback)."""
+    regression_settle_minutes: float = 1.0
+    """Longest a canary already on trial gets to reach its own decision before ops roll it back to make room."""
     report_dir: Path = Path(".flywheel/report")
     """Where the report is written."""
     keep_up: bool = False
-    """Leave the stack running at the end."""
+    """Leave the whole system running at the end (the stack and the services, dashboard included) until
+    ``flywheel down``."""
     live: bool = True
     """Show the live view (off for the benchmark and CI)."""
     seed: int = 0
@@ -154,7 +161,8 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     from flywheel.sdk import Flywheel
     from flywheel.stack import down, up
     from flywheel.stack.endpoints import drop_database, ensure_database, kafka_bootstrap, postgres_url, vllm_urls
-    from flywheel.stack.services import ServiceGroup, pipeline_specs, settings_env
+    from flywheel.stack.services import SERVICE_KIND, ServiceGroup, pipeline_specs, settings_env
+    from flywheel.stack.stack import keep_services
     from serving.overview import snapshot
 
     config = config or DemoConfig()
@@ -167,11 +175,14 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     console.rule("[bold]Flywheel demo: the model learns from its own traffic")
     console.print("building (or reusing) the base model ...")
     model_dir = build_model(settings.model)
+    if stopped := down(settings, [SERVICE_KIND]):
+        console.print(f"stopped the services an earlier `--keep-up` run left running: {', '.join(stopped)}")
     console.print(f"starting the stack (broker, Postgres, Redis, vLLM x{config.replicas}) ...")
     up(settings, model_dir=model_dir)
     group: ServiceGroup | None = None
     agent: DemoAgent | None = None
     fw: Flywheel | None = None
+    viewer_token: str | None = None
     started = time.monotonic()
     try:
         db_url = postgres_url(settings, config.database)
@@ -188,6 +199,10 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         group = ServiceGroup(pipeline_specs(settings), env, Path(settings.run_dir) / "logs")
         console.print("starting the services (ingest, rewarding, trainer worker + beat, router, admin API, canary) ...")
         group.start()
+        if config.keep_up:
+            from flywheel.demo.damage import ops_token
+
+            viewer_token = ops_token(engine, "demo-viewer", role="viewer")
         router = f"http://{settings.serving.router_host}:{settings.serving.router_port}"
         project = f"demo-{uuid.uuid4().hex[:6]}"
         fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=kafka_bootstrap(settings),
@@ -213,7 +228,9 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         learn_minutes = (time.monotonic() - learn_started) / 60
         regression: dict[str, Any] = {}
         if config.inject_regression:
-            regression = _inject_regression(engine, child_settings, config, agent, group)
+            from flywheel.demo.regression import inject_regression
+
+            regression = inject_regression(engine, child_settings, config, group)
         agent.stop()
         fw.flush(60)
         final = snapshot(engine, settings.serving.fleet, with_decisions=True)
@@ -231,11 +248,13 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
             agent.stop(10)
         if fw is not None:
             fw.close(10)
-        if group is not None:
-            group.stop()
         if config.keep_up:
-            console.print("stack left running: `flywheel status`, `flywheel down`")
+            if group is not None:
+                keep_services(settings, group.records(source="demo"))
+            _print_kept_up(settings, viewer_token)
         else:
+            if group is not None:
+                group.stop()
             down(settings)
         log.info("demo finished in %.1f min", (time.monotonic() - started) / 60)
 
@@ -252,6 +271,25 @@ def _exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def _print_kept_up(settings: Settings, viewer_token: str | None) -> None:
+    """Where the running system is, and how to stop it."""
+    from flywheel.stack.stack import status
+
+    rows = status(settings)
+    down_rows = [r.name for r in rows if not r.healthy]
+    s = settings.serving
+    console.rule("[bold]left running until `flywheel down`")
+    console.print(f"running: {', '.join(r.name for r in rows if r.healthy) or 'nothing'}")
+    if down_rows:
+        console.print(f"[yellow]not running: {', '.join(down_rows)} (see `flywheel status` and the logs)[/]")
+    console.print(f"dashboard: http://{s.admin_host}:{s.admin_port}/dashboard")
+    if viewer_token is not None:
+        console.print(f"  log in with this viewer token: {viewer_token}")
+        console.print(f"  the CLI reads it too: export FLYWHEEL_TOKEN={viewer_token}; flywheel status")
+    console.print(f"router (OpenAI-compatible): http://{s.router_host}:{s.router_port}/v1")
+    console.print("`flywheel status` lists every part; `flywheel down` stops everything (the services and the stack)")
 
 
 class _NoLive:
@@ -295,47 +333,6 @@ def _reached(snap: Any, base_success: float, config: DemoConfig) -> bool:
         return False
     gain = (stable - base_success) * 100
     return snap.promotions >= config.target_promotions and gain >= config.target_gain_points
-
-
-def _inject_regression(engine: Any, settings: Settings, config: DemoConfig, agent: Any, group: Any) -> dict[str, Any]:
-    """Deploy a damaged copy of the stable checkpoint as canary through the admin API; wait for the rollback."""
-    from flywheel.demo.damage import damaged_checkpoint, deploy_through_admin
-
-    checkpoint_id = damaged_checkpoint(engine, settings)
-    started = time.monotonic()
-    deadline = started + config.regression_budget_minutes * 60
-    while True:  # a canary the controller deployed meanwhile must end first (409 until then)
-        try:
-            deploy_through_admin(engine, settings, checkpoint_id, weight=config.canary_steps[0])
-            break
-        except RuntimeError as err:
-            if "HTTP 409" not in str(err) or time.monotonic() > deadline:
-                raise
-            time.sleep(3.0)
-    from sqlalchemy import text
-
-    while time.monotonic() < deadline:
-        with engine.connect() as conn:
-            row = conn.execute(
-                text(
-                    "SELECT status FROM deployments WHERE checkpoint_id = :c AND role = 'canary' "
-                    "ORDER BY id DESC LIMIT 1"
-                ),
-                {"c": checkpoint_id},
-            ).first()
-            sessions = conn.execute(
-                text("SELECT count(DISTINCT (project, session_id)) FROM rewards r JOIN checkpoints c "
-                     "ON c.policy_version = r.policy_version WHERE c.id = :c"),
-                {"c": checkpoint_id},
-            ).scalar_one()  # fmt: skip
-        if row and row[0] in ("rolled_back", "promoted", "failed"):
-            return {"regression_checkpoint": checkpoint_id, "regression_status": row[0],
-                    "regression_rolled_back": row[0] == "rolled_back", "regression_rollback_sessions": int(sessions),
-                    "regression_seconds": round(time.monotonic() - started, 1)}  # fmt: skip
-        group.revive()
-        time.sleep(2.0)
-    return {"regression_checkpoint": checkpoint_id, "regression_status": "still canary",
-            "regression_rolled_back": False, "regression_rollback_sessions": None}  # fmt: skip
 
 
 def config_json(config: DemoConfig) -> dict[str, Any]:
