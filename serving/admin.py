@@ -351,7 +351,7 @@ def _audit_refusal(request: Request, status: int, body: ErrorPublic) -> None:
 @contextmanager
 def _self_audited(request: Request) -> Iterator[None]:
     """Around a call that writes its own audit row, on success and on a DeployError."""
-    from serving.fleet import DeployError
+    from serving.fleet.registry import DeployError
 
     try:
         yield
@@ -379,7 +379,7 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error as :class:`ErrorPublic` (and audit refused mutating calls)."""
-    from serving.fleet import DeployError
+    from serving.fleet.registry import DeployError
 
     @app.exception_handler(AdminError)
     async def admin_error(request: Request, exc: AdminError) -> JSONResponse:
@@ -627,7 +627,7 @@ def _read_routes(router: APIRouter) -> None:
     @router.get("/fleet", response_model=FleetPublic, name="fleet.show")
     def fleet(request: Request) -> dict[str, Any]:
         """The fleet's stable and canary deployments and its replicas (``serving.deploy.fleet_status``)."""
-        from serving.fleet import fleet_status
+        from serving.fleet.registry import fleet_status
 
         return _as_dict(fleet_status(request.app.state.engine, request.app.state.settings.serving.fleet))
 
@@ -636,7 +636,7 @@ def _read_routes(router: APIRouter) -> None:
         """Fleet status plus the trainer's and the canary controller's pause flags."""
         from flywheel.core.pause import pause_state
         from serving.canary.controller import canary_pause_state
-        from serving.fleet import fleet_status
+        from serving.fleet.registry import fleet_status
 
         app_state = request.app.state
         fleet_ = _as_dict(fleet_status(app_state.engine, app_state.settings.serving.fleet))
@@ -648,7 +648,7 @@ def _read_routes(router: APIRouter) -> None:
     def canary_status(request: Request) -> CanaryStatusPublic:
         """The canary controller's pause flag and the fleet's canary and stable deployments."""
         from serving.canary.controller import canary_pause_state
-        from serving.fleet import fleet_status
+        from serving.fleet.registry import fleet_status
 
         app_state = request.app.state
         serving = app_state.settings.serving
@@ -723,7 +723,7 @@ def _operator_routes(router: APIRouter) -> None:
     @router.post("/canary", response_model=DeployResultPublic, name="deploy.canary", responses=DEPLOY_RESPONSES)
     def deploy_canary(request: Request, body: CanaryCreate) -> DeployResultPublic:
         """Deploy a checkpoint as the fleet's canary with a traffic weight (hot swap, one replica at a time)."""
-        from serving import deploy
+        from serving.fleet import deploy
 
         app_state, actor = request.app.state, _actor(request)
         with _self_audited(request):
@@ -740,7 +740,7 @@ def _operator_routes(router: APIRouter) -> None:
     @router.put("/canary/weight", response_model=DeployResultPublic, name="deploy.weight", responses=DEPLOY_RESPONSES)
     def set_weight(request: Request, body: WeightUpdate) -> DeployResultPublic:
         """Change the canary's share of new sessions."""
-        from serving import deploy
+        from serving.fleet import deploy
 
         app_state, actor = request.app.state, _actor(request)
         with _self_audited(request):
@@ -756,7 +756,7 @@ def _operator_routes(router: APIRouter) -> None:
     @router.post("/promote", response_model=DeployResultPublic, name="deploy.promote", responses=DEPLOY_RESPONSES)
     def promote(request: Request, body: PromoteRequest | None = None) -> DeployResultPublic:
         """Promote the canary: its checkpoint becomes stable on every replica."""
-        from serving import deploy
+        from serving.fleet import deploy
 
         app_state, actor = request.app.state, _actor(request)
         reason = body.reason if body else None
@@ -769,7 +769,7 @@ def _operator_routes(router: APIRouter) -> None:
     @router.post("/rollback", response_model=DeployResultPublic, name="deploy.rollback", responses=DEPLOY_RESPONSES)
     def rollback(request: Request, body: RollbackRequest | None = None) -> DeployResultPublic:
         """Roll back: end the canary (back to the previous stable), or serve a given checkpoint as stable."""
-        from serving import deploy
+        from serving.fleet import deploy
 
         app_state, actor = request.app.state, _actor(request)
         body = body or RollbackRequest()

@@ -244,7 +244,7 @@ class StatusPublic(BaseModel):
     """Everything ``flywheel status`` shows of the serving side."""
 
     fleet: FleetPublic
-    """``serving.deploy.fleet_status`` of this API's fleet."""
+    """``serving.fleet.registry.fleet_status`` of this API's fleet."""
     trainer: PauseStatePublic
     canary_controller: PauseStatePublic
 

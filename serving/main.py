@@ -30,7 +30,7 @@ app = typer.Typer(
 
 def _fleet() -> list[dict[str, object]]:
     from flywheel.core.endpoints import vllm_urls
-    from serving import vllm_admin
+    from serving.fleet import vllm_admin
 
     rows: list[dict[str, object]] = []
     for url in vllm_urls():
@@ -104,7 +104,7 @@ def router(
 ) -> None:
     """Serve the OpenAI-compatible router in front of the fleet (the only public ingress)."""
     _logging(log_level)
-    from serving.router import serve
+    from serving.proxy.router import serve
 
     serve(_settings(router_host=host, router_port=port))
 

@@ -192,7 +192,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         engine = create_engine(db_url, pool_pre_ping=True)
         overrides = service_overrides(config, settings, db_url)
         child_settings = _with_overrides(settings, overrides)
-        from serving.fleet import ensure_fleet
+        from serving.fleet.registry import ensure_fleet
 
         ensure_fleet(engine, child_settings, urls=vllm_urls(settings))
         env = settings_env(settings, overrides)

@@ -27,7 +27,7 @@ from flywheel.stack.base import (
     require_port_free,
     spawn,
 )
-from serving import vllm_admin
+from serving.fleet import vllm_admin
 
 HOST = "127.0.0.1"
 SIDECAR_NAME = "flywheel_model.json"

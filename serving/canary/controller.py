@@ -3,7 +3,7 @@
 A look reads the fleet's active stable and canary deployments (``deployments`` joined to
 ``checkpoints`` for their policy versions), the live observations since the canary was
 created (:func:`serving.canary.live.read_live`, one query), decides
-(:func:`serving.canary.policy.decide`) and acts through :mod:`serving.deploy`
+(:func:`serving.canary.policy.decide`) and acts through :mod:`serving.fleet.deploy`
 (``set_canary_weight`` on a step up, ``promote``, ``rollback``; actor
 ``canary-controller``, ``details={"reason": ..., "decision": <the numbers>}``; those
 functions write their own audit rows).
@@ -33,13 +33,19 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from flywheel.core import pause
+from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment
+from flywheel.core.endpoints import postgres_url
 from flywheel.core.pause import PauseState
 from serving.canary.live import read_live
 from serving.canary.policy import Decision, decide
+from serving.fleet import deploy
+from serving.fleet.registry import DeployError
+from serving.fleet.vllm_admin import VllmAdminError
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -140,8 +146,6 @@ def hold_worth_logging(
 
 
 def _default_actions() -> dict[str, Action]:
-    from serving import deploy
-
     return {"step_up": deploy.set_canary_weight, "promote": deploy.promote, "rollback": deploy.rollback}
 
 
@@ -186,7 +190,7 @@ def run_once(engine: Engine, settings: Settings, actions: dict[str, Action] | No
 
     Nothing is decided when the controller is disabled or paused, or the fleet has no
     active canary (or no active stable). ``actions`` maps ``step_up``/``promote``/``rollback``
-    to functions with :mod:`serving.deploy`'s signatures (the default); an action that raises
+    to functions with :mod:`serving.fleet.deploy`'s signatures (the default); an action that raises
     is recorded in the ``canary.decision`` row (``success=false``, the error) and re-raised.
     """
     cs = settings.serving.canary
@@ -259,7 +263,7 @@ def auto_deploy(engine: Engine, settings: Settings, deploy_canary: Action | None
     """With ``canary.auto_deploy``: when the fleet has no canary, deploy :func:`next_candidate` at the first step.
 
     Returns the deployed checkpoint id (None when nothing was deployed). Paused or
-    disabled controllers deploy nothing; the deployment is audited by :mod:`serving.deploy`
+    disabled controllers deploy nothing; the deployment is audited by :mod:`serving.fleet.deploy`
     with this controller as the actor.
     """
     cs = settings.serving.canary
@@ -275,7 +279,7 @@ def auto_deploy(engine: Engine, settings: Settings, deploy_canary: Action | None
         checkpoint_id = candidate.id
         heldout = candidate.eval.get("heldout")
     if deploy_canary is None:
-        from serving.deploy import deploy_canary
+        deploy_canary = deploy.deploy_canary
     details = {"reason": "auto-deploy: the newest gated candidate trained from the stable", "heldout": heldout}
     deploy_canary(engine, settings, checkpoint_id, cs.steps[0], ACTOR, details)
     log.info("auto-deployed %s as canary at %.0f%%", checkpoint_id, cs.steps[0] * 100)
@@ -285,18 +289,10 @@ def auto_deploy(engine: Engine, settings: Settings, deploy_canary: Action | None
 def run(settings: Settings, max_looks: int | None = None) -> None:
     """Look every ``canary.interval_s`` until interrupted (or ``max_looks``); also reconcile the fleet each round.
 
-    A refused or failed action (:class:`serving.fleet.DeployError`, e.g. ops changed the
+    A refused or failed action (:class:`serving.fleet.registry.DeployError`, e.g. ops changed the
     canary meanwhile) and a lost database connection are logged and retried at the next
     look; anything else stops the loop.
     """
-    from sqlalchemy.exc import OperationalError
-
-    from flywheel.core.db.engine import get_engine
-    from flywheel.core.endpoints import postgres_url
-    from serving import deploy
-    from serving.fleet import DeployError
-    from serving.vllm_admin import VllmAdminError
-
     engine = get_engine(postgres_url(settings))
     reconcile = getattr(deploy, "reconcile", None)
     interval = settings.serving.canary.interval_s

@@ -5,7 +5,7 @@ One call returns everything the page draws, so every panel shows the same moment
 - ``checkpoints``: every checkpoint in creation order with its parent (lineage), status,
   held-out success and live reward/success per policy version (:func:`serving.overview.snapshot`);
 - ``stable`` / ``canary`` / ``replicas`` / ``traffic``: the fleet's deployments
-  (:func:`serving.fleet.fleet_status`) and the share of new sessions each gets (the router
+  (:func:`serving.fleet.registry.fleet_status`) and the share of new sessions each gets (the router
   sends ``canary.weight`` of new sessions to an *active* canary, the rest to stable);
 - ``canary_comparison``: the canary controller's newest ``canary.decision`` audit row
   (``details`` as :meth:`serving.canary.policy.Decision.to_details` wrote it: estimate of
@@ -28,7 +28,17 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from flywheel.core.contracts.topics import events_topic
+from flywheel.core.endpoints import kafka_bootstrap
+from flywheel.core.kafka_ends import fetched_ends
+from flywheel.core.pause import pause_state
+from serving.canary.controller import canary_pause_state
+from serving.fleet.registry import fleet_status
+from serving.overview import snapshot
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -65,12 +75,6 @@ def measure_kafka_lag(settings: Settings, timeout_s: float = KAFKA_TIMEOUT_S) ->
     :mod:`flywheel.core.kafka_ends`); a partition the group never committed counts from its
     beginning offset. Raises on any broker error (the caller turns it into a reason).
     """
-    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-
-    from flywheel.core.contracts.topics import events_topic
-    from flywheel.core.endpoints import kafka_bootstrap
-    from flywheel.core.kafka_ends import fetched_ends
-
     bootstrap = kafka_bootstrap(settings).split(",")
     topic = events_topic(settings.kafka.topic_prefix)
     group = settings.ingest.group_id
@@ -373,13 +377,6 @@ def recent_events(conn: Connection, limit: int = EVENTS_LIMIT) -> list[dict[str,
 
 def dashboard_data(engine: Engine, settings: Settings, kafka: KafkaLagProbe | None = None) -> dict[str, Any]:
     """Everything ``GET /v1/dashboard`` answers (see the module docstring)."""
-    from sqlalchemy.orm import Session
-
-    from flywheel.core.pause import pause_state
-    from serving.canary.controller import canary_pause_state
-    from serving.fleet import fleet_status
-    from serving.overview import snapshot
-
     fleet = settings.serving.fleet
     status = fleet_status(engine, fleet).to_dict()
     snap = snapshot(engine, fleet)

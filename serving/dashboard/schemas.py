@@ -109,7 +109,7 @@ class DashboardPublic(_Public):
     generated_at: datetime
     fleet: str
     stable: dict[str, Any] | None
-    """The active stable deployment (``serving.fleet.DeploymentInfo``)."""
+    """The active stable deployment (``serving.fleet.registry.DeploymentInfo``)."""
     canary: dict[str, Any] | None
     """The active (or pending) canary deployment."""
     replicas: list[dict[str, Any]]

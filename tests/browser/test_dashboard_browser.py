@@ -42,7 +42,7 @@ from flywheel.core.settings import CanarySettings, Settings
 from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
-from serving import vllm_admin
+from serving.fleet import vllm_admin
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.browser]
 
@@ -266,7 +266,7 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
     import serving.admin
     from serving.canary.controller import run_once
     from serving.dashboard import install_dashboard
-    from serving.fleet import ensure_fleet
+    from serving.fleet.registry import ensure_fleet
 
     expect.set_options(timeout=UI_TIMEOUT_MS)
     base_version = policy_version_of(base_model_dir)

@@ -1,4 +1,4 @@
-"""The canary controller's look (``run_once``) against real Postgres and the real serving.deploy.
+"""The canary controller's look (``run_once``) against real Postgres and the real serving.fleet.deploy.
 
 Every test gets a fresh, migrated database with a stable and a canary deployment of two
 registered checkpoints and reward rows shaped like the rewarding worker's (an ``outcome``
@@ -24,7 +24,7 @@ from flywheel.core.db.models import AgentSession, AuditLog, Checkpoint, Deployme
 from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from serving.canary.controller import DECISION_ACTION, canary_pause_state, run, run_once, set_canary_paused
-from serving.fleet import DeployError
+from serving.fleet.registry import DeployError
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """The admin API against real Postgres: authentication and roles on every route, the registry,
 deployment errors and their mapping, pause flags, tokens and the audit log.
 
-The deployment routes run the real ``serving.deploy`` functions. Without vLLM replicas they
+The deployment routes run the real ``serving.fleet.deploy`` functions. Without vLLM replicas they
 are driven into their refusals (unknown, rejected or undeployable checkpoint, no canary, no
 stable) and into a real failed swap (replicas registered as serving whose server is gone);
 the happy path through real replicas is in tests/integration/test_serving_admin_e2e.py.
@@ -366,7 +366,7 @@ def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens
 
 
 def test_a_full_weight_canary_needs_a_spare_replica(engine, client, tokens, base_id, fleet, base_model_dir):
-    from serving.fleet import ensure_fleet
+    from serving.fleet.registry import ensure_fleet
 
     ensure_fleet(engine, make_settings(fleet), urls=[dead_url()], model_dir=base_model_dir)
     candidate = f"ck-{uuid.uuid4().hex[:6]}"

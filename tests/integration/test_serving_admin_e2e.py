@@ -1,5 +1,5 @@
 """Deploy, weight, promote and roll back through the ``flywheel`` CLI and the admin API, end to end:
-two real vLLM replicas of the base model, the real ``serving.deploy`` hot swaps, a real admin
+two real vLLM replicas of the base model, the real ``serving.fleet.deploy`` hot swaps, a real admin
 API server (uvicorn) and Postgres. Nothing is mocked.
 
 The candidate checkpoint is a copy of the base folder registered under its own id and policy
@@ -33,9 +33,9 @@ from flywheel.core.settings import Settings, get_settings
 from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
-from serving import vllm_admin
 from serving.admin import create_app
-from serving.fleet import ensure_fleet
+from serving.fleet import vllm_admin
+from serving.fleet.registry import ensure_fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 

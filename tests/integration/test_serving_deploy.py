@@ -20,8 +20,8 @@ from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.vllm import policy_version_of
-from serving.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
-from serving.fleet import ensure_fleet, fleet_lock, fleet_status
+from serving.fleet.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
+from serving.fleet.registry import ensure_fleet, fleet_lock, fleet_status
 
 pytestmark = pytest.mark.integration
 

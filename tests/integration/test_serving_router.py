@@ -36,8 +36,8 @@ from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import load_state
 from flywheel.stack.stack import down, up
-from serving import vllm_admin
-from serving.router import Router, create_app, uvicorn_config
+from serving.fleet import vllm_admin
+from serving.proxy.router import Router, create_app, uvicorn_config
 
 pytestmark = pytest.mark.integration
 

@@ -30,11 +30,11 @@ from flywheel.stack import endpoints
 from flywheel.stack.base import log_dir, log_tail
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
-from serving import vllm_admin
-from serving.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
-from serving.fleet import ensure_fleet, fleet_lock, fleet_status
-from serving.strategies import Target, get_strategy
-from serving.swap import SwapVerifyError, rolling_swap, swap_replica, verify_replica
+from serving.fleet import swap, vllm_admin
+from serving.fleet.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
+from serving.fleet.registry import ensure_fleet, fleet_lock, fleet_status
+from serving.fleet.strategies import Target, get_strategy
+from serving.fleet.swap import SwapVerifyError, rolling_swap, swap_replica, verify_replica
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -552,9 +552,7 @@ def test_verification_resumes_a_replica_left_paused_and_then_passes(
     engine, settings, fleet, base_version, monkeypatch, caplog
 ):
     # a held request on a paused scheduler never answers: verification must notice, resume and ask again
-    import serving.swap
-
-    monkeypatch.setattr(serving.swap, "VERIFY_TIMEOUT_S", 9.0)  # three tries of 3 s
+    monkeypatch.setattr(swap, "VERIFY_TIMEOUT_S", 9.0)  # three tries of 3 s
     url = fleet[1]
     vllm_admin.pause(url, mode="keep")
     assert vllm_admin.is_paused(url)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from flywheel.stack.vllm import cpu_binding
-from serving import vllm_admin
+from serving.fleet import vllm_admin
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving.deploy import DeployError, canary_urls, validate_weight
-from serving.strategies import get_strategy
-from serving.swap import SwapResult, SwapVerifyError, completion_logprobs, parse_in_flight
+from serving.fleet.deploy import DeployError, canary_urls, validate_weight
+from serving.fleet.strategies import get_strategy
+from serving.fleet.swap import SwapResult, SwapVerifyError, check_weights, completion_logprobs, parse_in_flight
+from serving.fleet.vllm_admin import CheckpointInvalid
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -103,9 +104,6 @@ def _weights(folder, **tensors):
 
 
 def test_check_weights_refuses_non_finite_and_truncated_files(tmp_path):
-    from serving.swap import check_weights
-    from serving.vllm_admin import CheckpointInvalid
-
     check_weights(str(_weights(tmp_path / "good", a=[1.0, 2.0], b=[[0.5]])))
     with pytest.raises(CheckpointInvalid, match="tensor b holds NaN"):
         check_weights(str(_weights(tmp_path / "nan", a=[1.0], b=[math.nan])))
@@ -120,9 +118,6 @@ def test_check_weights_refuses_non_finite_and_truncated_files(tmp_path):
 
 
 def test_check_weights_against_the_served_model_refuses_other_names_and_shapes(tmp_path):
-    from serving.swap import check_weights
-    from serving.vllm_admin import CheckpointInvalid
-
     served = str(_weights(tmp_path / "served", a=[1.0, 2.0], b=[[0.5]]))
     check_weights(str(_weights(tmp_path / "same", a=[3.0, 4.0], b=[[1.5]])), reference=served)
     with pytest.raises(CheckpointInvalid, match=r"tensor a has shape \[3\], the served model's has \[2\]"):

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from serving.router import splice_tag
-from serving.routing import (
+from serving.proxy.router import splice_tag
+from serving.proxy.routing import (
     DeploymentEntry,
     ReplicaHealth,
     ReplicaRow,
@@ -184,7 +184,7 @@ async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:
     import httpx
 
     from flywheel.core.settings import Settings
-    from serving.router import MAX_BODY_BYTES, create_app
+    from serving.proxy.router import MAX_BODY_BYTES, create_app
 
     base = Settings()
     settings = base.model_copy(

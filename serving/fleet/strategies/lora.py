@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import httpx
 
-from serving import vllm_admin
-from serving.strategies.base import SwapStrategy, Target
+from serving.fleet import vllm_admin
+from serving.fleet.strategies.base import SwapStrategy, Target
 
 
 class LoraAdapter(SwapStrategy):

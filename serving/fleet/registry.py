@@ -4,7 +4,7 @@ A fleet (``serving.fleet``) is a set of vLLM replicas that serve an active *stab
 deployment and, at times, an active *canary*. :func:`ensure_fleet` registers the replicas
 and, for a new fleet, the base checkpoint as its stable deployment; :func:`fleet_status`
 reads it all back. :func:`fleet_lock` is the per-fleet advisory lock every deployment
-operation (:mod:`serving.deploy`) holds while it runs.
+operation (:mod:`serving.fleet.deploy`) holds while it runs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
-from serving import vllm_admin
+from flywheel.core.endpoints import vllm_urls
+from flywheel.model.build import build_model
+from flywheel.model.register import register_base
+from serving.fleet import vllm_admin
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -257,11 +260,9 @@ def ensure_fleet(
     answer). A fleet without an active stable deployment gets the base checkpoint
     (:func:`flywheel.model.register.register_base` of ``model_dir``, default: the built model of
     ``settings.model``) as one, weight 1.0. Idempotent; rows of known replicas are left to
-    :func:`serving.deploy.reconcile`. While another deployment operation holds the fleet
+    :func:`serving.fleet.deploy.reconcile`. While another deployment operation holds the fleet
     lock nothing is written (that operation owns the fleet) and the status is returned.
     """
-    from flywheel.core.endpoints import vllm_urls
-
     fleet = settings.serving.fleet
     urls = [u.rstrip("/") for u in (urls if urls is not None else vllm_urls(settings))]
     with try_fleet_lock(engine, fleet) as held:
@@ -273,8 +274,6 @@ def ensure_fleet(
 
 
 def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str) -> None:
-    from flywheel.model.register import register_base
-
     fleet = settings.serving.fleet
     added: list[dict[str, Any]] = []
     with Session(engine) as session:
@@ -282,8 +281,6 @@ def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Pa
         created_stable = None
         if stable is None:
             if model_dir is None:
-                from flywheel.model.build import build_model
-
                 model_dir = build_model(settings.model)
             base_id = register_base(session, model_dir)
             stable = Deployment(

@@ -6,7 +6,7 @@ fleet), and ends ``promoted``, ``rolled_back``, ``superseded`` or ``failed``. Un
 full-weight strategy a canary owns ``serving.canary_replicas`` replicas (never all of
 them); under ``lora`` its adapter is loaded on every replica beside the stable weights.
 
-Every operation holds the fleet's advisory lock (:func:`serving.fleet.fleet_lock`: a
+Every operation holds the fleet's advisory lock (:func:`serving.fleet.registry.fleet_lock`: a
 concurrent one is refused with ``conflict``) and writes one ``audit_log`` row (actor,
 action, ``fleet:<name>``, the fleet status before and after, details with the swaps'
 numbers), also when it is refused or fails (``success=false``). Each returns
@@ -20,14 +20,15 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
-from serving import vllm_admin
-from serving.fleet import (
+from serving.fleet import vllm_admin
+from serving.fleet.registry import (
     DeployError,
     active_deployment,
     fleet_lock,
@@ -36,7 +37,8 @@ from serving.fleet import (
     set_replica,
     try_fleet_lock,
 )
-from serving.swap import SwapResult, Verifier, check_weights, rolling_swap, swap_replica
+from serving.fleet.strategies import Target, get_strategy
+from serving.fleet.swap import SwapResult, Verifier, check_weights, rolling_swap, swap_replica
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -147,8 +149,6 @@ def usable_checkpoint(session: Session, checkpoint_id: str, strategy: str) -> Ch
 
 def _served_model_folder(row: Checkpoint) -> str | None:
     """The base model folder a full-weight checkpoint's shapes are checked against, when this host sees it."""
-    from pathlib import Path
-
     if row.format == "full" and row.base_model and Path(row.base_model).is_dir():
         return row.base_model
     return None
@@ -613,18 +613,15 @@ def _needs_swap(settings: Settings, replica: Replica, desired: Deployment, check
         vllm_admin.resume(replica.url)
         return True
     if settings.serving.strategy == "lora":
-        from serving.strategies.lora import LoraAdapter
-
         if checkpoint.format == "full":
             return replica.state != "serving"
-        return not LoraAdapter().reports(replica.url, _target_of(checkpoint)) or replica.state != "serving"
+        adapter = get_strategy(settings.serving.strategy)
+        return not adapter.reports(replica.url, _target_of(checkpoint)) or replica.state != "serving"
     in_sync = (
         replica.state == "serving" and replica.checkpoint_id == checkpoint.id and replica.deployment_id == desired.id
     )
     return not in_sync or vllm_admin.weight_info(replica.url) != checkpoint.policy_version
 
 
-def _target_of(checkpoint: Checkpoint) -> Any:
-    from serving.strategies import Target
-
+def _target_of(checkpoint: Checkpoint) -> Target:
     return Target(checkpoint.id, checkpoint.policy_version, checkpoint.path, checkpoint.format)

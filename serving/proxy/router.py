@@ -13,7 +13,7 @@ Every ``refresh_s`` the routing table (active deployments of ``serving.fleet`` a
 ``replicas`` rows) is read from Postgres in a worker thread; every ``health_interval_s``
 each replica is probed (``/health``, ``/weight_info``, ``/v1/models``). No request touches
 the database. The decisions (split, stickiness, ejection, least outstanding) are the pure
-functions of :mod:`serving.routing`.
+functions of :mod:`serving.proxy.routing`.
 
 A proxied response carries ``x-flywheel-policy-version`` and ``x-flywheel-replica``
 headers; a non-streamed JSON body also gets a ``"flywheel": {"policy_version", "replica"}``
@@ -29,6 +29,7 @@ and httptools; upstream calls share one ``aiohttp`` session with a keep-alive po
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import random
@@ -38,14 +39,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import uvicorn
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, select
 
 from flywheel.core.contracts import headers
-from flywheel.core.settings import ServingSettings, Settings
-from serving import routing
-from serving.routing import Decision, ReplicaHealth, ReplicaRow, RoutingTable, StickyTable
+from flywheel.core.db.engine import get_engine
+from flywheel.core.db.models import Checkpoint, Deployment, Replica
+from flywheel.core.endpoints import postgres_url
+from flywheel.core.settings import ServingSettings, Settings, get_settings
+from serving.proxy import routing
+from serving.proxy.routing import Decision, ReplicaHealth, ReplicaRow, RoutingTable, StickyTable
 
 log = logging.getLogger("flywheel.serving.router")
 
@@ -95,8 +100,6 @@ class UpstreamFailed(Exception):
 
 def read_table(engine: Engine, fleet: str) -> RoutingTable:
     """The fleet's active deployments (with their checkpoints' policy versions) and replica rows."""
-    from flywheel.core.db.models import Checkpoint, Deployment, Replica
-
     deployments = (
         select(Deployment.role, Deployment.weight, Deployment.id, Checkpoint.policy_version)
         .join(Checkpoint, Checkpoint.id == Deployment.checkpoint_id)
@@ -228,9 +231,6 @@ class Router:
     def engine(self) -> Engine:
         """The database engine (from the settings' Postgres URL unless one was given)."""
         if self._engine is None:
-            from flywheel.core.db.engine import get_engine
-            from flywheel.core.endpoints import postgres_url
-
             self._engine = get_engine(postgres_url(self.settings))
         return self._engine
 
@@ -747,12 +747,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> RouterApp:
     return RouterApp(Router(settings, engine))
 
 
-def uvicorn_config(app: RouterApp, host: str, port: int) -> Any:
+def uvicorn_config(app: RouterApp, host: str, port: int) -> uvicorn.Config:
     """A uvicorn config for the router: uvloop and httptools when installed, no access log."""
-    import importlib.util
-
-    import uvicorn
-
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     return uvicorn.Config(
@@ -763,8 +759,6 @@ def uvicorn_config(app: RouterApp, host: str, port: int) -> Any:
 
 def serve(settings: Settings) -> None:
     """Run the router on ``serving.router_host:router_port`` until interrupted."""
-    import uvicorn
-
     cfg = settings.serving
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
@@ -773,6 +767,4 @@ def serve(settings: Settings) -> None:
 
 
 if __name__ == "__main__":
-    from flywheel.core.settings import get_settings
-
     serve(get_settings())

@@ -1,6 +1,6 @@
 """The router's decisions, as pure logic: which policy version a request gets, which replica serves it.
 
-Nothing here does I/O; :mod:`serving.router` feeds it the routing table read from Postgres,
+Nothing here does I/O; :mod:`serving.proxy.router` feeds it the routing table read from Postgres,
 the results of its health probes and the clock, so every rule is testable on its own:
 
 - **Routable replica**: its ``replicas`` row says ``serving``, the router's own probes pass

@@ -1,9 +1,14 @@
 """The plug-in point of the hot swap: one :class:`SwapStrategy` per way of putting weights on a replica.
 
-``full`` (:mod:`serving.strategies.full`) replaces the replica's weights in place (pause,
+``full`` (:mod:`serving.fleet.strategies.full`) replaces the replica's weights in place (pause,
 reload, set the weight version, resume): one replica serves one policy version.
-``lora`` (:mod:`serving.strategies.lora`) loads an adapter under its policy version as the
+``lora`` (:mod:`serving.fleet.strategies.lora`) loads an adapter under its policy version as the
 model name: one replica serves the base and every loaded adapter side by side.
+
+A strategy is a plug-in: a :class:`SwapStrategy` subclass registered under the entry-point
+group :data:`GROUP` (``[project.entry-points."flywheel.swap_strategies"]`` in a
+``pyproject.toml``, the name being the one ``serving.strategy`` uses) and loaded by
+:func:`flywheel.core.plugins.load`.
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
+
+from flywheel.core import plugins
+
+GROUP: plugins.Group = "flywheel.swap_strategies"
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,16 @@ class SwapStrategy(ABC):
 
 
 def get_strategy(name: str) -> SwapStrategy:
-    """The strategy called ``name`` (``full`` or ``lora``); raises ``ValueError`` on any other."""
-    from serving.strategies.full import FullWeights
-    from serving.strategies.lora import LoraAdapter
+    """The strategy registered as ``name`` (``full``, ``lora`` or a plug-in's).
 
-    strategies: dict[str, type[SwapStrategy]] = {"full": FullWeights, "lora": LoraAdapter}
-    if name not in strategies:
-        raise ValueError(f"unknown swap strategy {name!r}: expected one of {sorted(strategies)}")
-    return strategies[name]()
+    Raises :class:`~flywheel.core.plugins.PluginError` (a ``ValueError``) naming the known
+    strategies when none is registered under ``name``, or when the registered object is not
+    a :class:`SwapStrategy` subclass.
+    """
+    known = plugins.registered(GROUP)
+    if name not in known:
+        raise plugins.PluginError(f"unknown swap strategy {name!r}: expected one of {sorted(known)}")
+    strategy = plugins.load(GROUP, name)
+    if not (isinstance(strategy, type) and issubclass(strategy, SwapStrategy)):
+        raise plugins.PluginError(f"swap strategy {name!r} ({known[name].value}) is not a SwapStrategy subclass")
+    return strategy()

@@ -16,11 +16,11 @@ Full weights (``serving.strategy == "full"``), per replica:
 
 When any step after the refusal check fails, the replica is put back on the weights it
 served (reload, version, resume, verify): ``serving`` on the old version when that
-verifies, else ``failed`` with the reason (:func:`serving.deploy.reconcile` swaps a
+verifies, else ``failed`` with the reason (:func:`serving.fleet.deploy.reconcile` swaps a
 restarted replica back later). Under the ``lora`` strategy the adapter is loaded beside
 what the replica serves (no drain, no pause) and verified by a completion under its name.
 
-These functions do not take the fleet lock: :mod:`serving.deploy` holds it around them.
+These functions do not take the fleet lock: :mod:`serving.fleet.deploy` holds it around them.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from safetensors import safe_open
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from flywheel.core.db.models import AuditLog, Checkpoint, Replica
-from serving import vllm_admin
-from serving.fleet import DeployError, checkpoint_of_version, set_replica
-from serving.strategies import SwapStrategy, Target, get_strategy
+from serving.fleet import vllm_admin
+from serving.fleet.registry import DeployError, checkpoint_of_version, set_replica
+from serving.fleet.strategies import SwapStrategy, Target, get_strategy
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -128,17 +129,15 @@ def check_weights(weights_path: str, reference: str | None = None) -> None:
     checkpoint), its tensors must also be exactly the reference's names and shapes: vLLM
     reloads in place into the tensors it has, so a missing or reshaped one breaks the replica.
 
-    Beyond :func:`~serving.vllm_admin.check_checkpoint` (headers, sizes): measured
+    Beyond :func:`~serving.fleet.vllm_admin.check_checkpoint` (headers, sizes): measured
     on vLLM 0.32 here, weights with NaN made the replica answer every completion with HTTP 400
     (non-finite logprobs), so they are refused before a replica is touched. Reads every
     tensor once, as the replica's reload will.
     """
-    from safetensors import safe_open
-
     files = vllm_admin.check_checkpoint(weights_path)
     if reference is not None:
         _same_shapes(vllm_admin.tensor_shapes(files), vllm_admin.tensor_shapes(vllm_admin.check_checkpoint(reference)))
-    import torch
+    import torch  # here only: the admin API and the canary controller import this module, torch is slow to load
 
     for file in files:
         try:

@@ -1,0 +1,6 @@
+"""The proxy: the fleet's only public ingress.
+
+- :mod:`serving.proxy.router`: the OpenAI-compatible ASGI app in front of the vLLM replicas;
+- :mod:`serving.proxy.routing`: its routing table and pure decisions (split, stickiness,
+  ejection, least outstanding).
+"""
