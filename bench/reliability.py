@@ -138,8 +138,8 @@ def unauthenticated_routes() -> dict[str, Any]:
     from flywheel.core.settings import Settings
     from ingest.gateway import PUBLIC_PATHS as GATEWAY_PUBLIC
     from ingest.gateway import create_app as gateway_app
-    from serving.admin import PUBLIC_PATHS as ADMIN_PUBLIC
-    from serving.admin import create_app as admin_app
+    from serving.admin.app import PUBLIC_PATHS as ADMIN_PUBLIC
+    from serving.admin.app import create_app as admin_app
 
     no_db = "postgresql+psycopg://nobody@127.0.0.1:1/none"  # refusals must not need the database
     settings = Settings(environment="test")

@@ -519,7 +519,7 @@ def _bootstrap(name: str, role: str, db_url: str | None) -> Any:
 
     from flywheel.core.db.engine import get_engine
     from flywheel.core.endpoints import NotConfigured, postgres_url
-    from serving.admin import BootstrapRefused, bootstrap_admin_token
+    from serving.admin.tokens import BootstrapRefused, bootstrap_admin_token
 
     try:
         url = db_url or postgres_url(_settings())

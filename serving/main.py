@@ -117,7 +117,7 @@ def admin(
 ) -> None:
     """Serve the admin API (checkpoints, deploy, promote, rollback, pause flags, audit, tokens)."""
     _logging(log_level)
-    from serving.admin import serve
+    from serving.admin.app import serve
 
     serve(_settings(admin_host=host, admin_port=port))
 

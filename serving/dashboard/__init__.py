@@ -1,6 +1,6 @@
 """The ops dashboard, served by the admin API: a static page and one data route.
 
-:func:`install_dashboard` adds to an admin app (``serving.admin.create_app``):
+:func:`install_dashboard` adds to an admin app (``serving.admin.app.create_app``):
 
 - ``GET /v1/dashboard`` (viewer token): everything the page draws, in one answer
   (:func:`serving.dashboard.api.dashboard_data`);
@@ -12,9 +12,10 @@
   ``Authorization: Bearer``). Promote and roll back call ``POST /v1/promote`` and
   ``POST /v1/rollback``, so the roles and the audit trail are the API's own.
 
-The public paths are listed in :data:`PUBLIC_PATHS`; ``serving.admin.check_routes_protected``
+The public paths are listed in :data:`PUBLIC_PATHS`; ``serving.admin.app.check_routes_protected``
 must accept them (or run before :func:`install_dashboard`), and :func:`check_dashboard_routes`
-checks that the data route kept its auth dependency.
+checks that the data route kept its auth dependency. The dashboard takes its auth from
+:mod:`serving.admin.deps`; the admin app imports this package, never the other way round.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import plotly
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.routing import APIRoute
 from starlette.staticfiles import StaticFiles
 
+from serving.admin.deps import requires as role_dependency
+from serving.admin.errors import ERROR_RESPONSES
 from serving.dashboard.api import KafkaLagProbe, dashboard_data
 from serving.dashboard.schemas import DashboardPublic
 
@@ -60,26 +64,23 @@ SECURITY_HEADERS = {
 
 def plotly_js_path() -> Path:
     """Plotly.js as shipped inside the installed ``plotly`` Python package (raises if it is missing)."""
-    import plotly
-
     path = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
     if not path.is_file():
         raise RuntimeError(f"plotly.min.js not found at {path}: is the `plotly` package installed completely?")
     return path
 
 
-def install_dashboard(app: FastAPI, settings: Settings, engine: Engine, requires: Callable[[str], Any]) -> None:
+def install_dashboard(
+    app: FastAPI, settings: Settings, engine: Engine, requires: Callable[[str], Any] = role_dependency
+) -> None:
     """Add the dashboard page, its static files and ``GET /v1/dashboard`` (viewer) to ``app``.
 
-    ``requires`` is ``serving.admin.requires`` (role -> FastAPI dependency). Call it once
-    per app; the Kafka lag probe it creates is kept in ``app.state.dashboard_kafka``.
+    ``requires`` maps a role to its FastAPI dependency (default: ``serving.admin.deps.requires``).
+    Call it once per app; the Kafka lag probe it creates is kept in ``app.state.dashboard_kafka``.
     """
     plotly_js = plotly_js_path()
     probe = KafkaLagProbe(settings)
     app.state.dashboard_kafka = probe
-
-    from serving.admin import ERROR_RESPONSES  # at call time: serving.admin imports this package
-
     data = APIRouter(prefix="/v1", dependencies=[Depends(requires("viewer"))], responses=ERROR_RESPONSES)
 
     @data.get("/dashboard", name="dashboard.show", summary="Dashboard data", response_model=DashboardPublic)
@@ -102,7 +103,7 @@ def install_dashboard(app: FastAPI, settings: Settings, engine: Engine, requires
         )
 
     @app.get(PLOTLY_PATH, include_in_schema=False, name="dashboard.plotly")
-    def plotly() -> FileResponse:
+    def plotly_file() -> FileResponse:
         """Plotly.js from the installed ``plotly`` package."""
         return FileResponse(
             plotly_js,

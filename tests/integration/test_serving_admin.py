@@ -32,15 +32,9 @@ from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.settings import ServingSettings, Settings
 from flywheel.stack import endpoints
-from serving.admin import (
-    PUBLIC_PATHS,
-    READ_METHODS,
-    ROLE_RANK,
-    BootstrapRefused,
-    bootstrap_admin_token,
-    create_app,
-    required_role,
-)
+from serving.admin.app import PUBLIC_PATHS, create_app
+from serving.admin.deps import READ_METHODS, ROLE_RANK, required_role
+from serving.admin.tokens import BootstrapRefused, bootstrap_admin_token
 
 pytestmark = pytest.mark.integration
 

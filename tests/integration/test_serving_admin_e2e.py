@@ -33,7 +33,7 @@ from flywheel.core.settings import Settings, get_settings
 from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
-from serving.admin import create_app
+from serving.admin.app import create_app
 from serving.fleet import vllm_admin
 from serving.fleet.registry import ensure_fleet
 

@@ -30,7 +30,7 @@ from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint
 from flywheel.core.settings import ServingSettings, Settings, get_settings
 from flywheel.stack import endpoints
-from serving.admin import create_app
+from serving.admin.app import create_app
 
 pytestmark = pytest.mark.integration
 

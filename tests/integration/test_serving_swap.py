@@ -629,7 +629,7 @@ def test_a_replica_killed_between_pause_and_resume_ends_failed_and_the_admin_api
 
     from flywheel.core.auth import create_key
     from flywheel.stack.base import load_state
-    from serving.admin import create_app
+    from serving.admin.app import create_app
 
     url = fleet[1]  # the canary replica
     victim = load_state(settings).components["vllm-1"]

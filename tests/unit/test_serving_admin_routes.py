@@ -17,16 +17,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
 from flywheel.core.settings import Settings
-from serving.admin import (
-    PUBLIC_PATHS,
-    READ_METHODS,
-    ROLE_RANK,
-    check_routes_protected,
-    create_app,
-    heldout_summary,
-    required_role,
-    requires,
-)
+from serving.admin.app import PUBLIC_PATHS, check_routes_protected, create_app
+from serving.admin.deps import READ_METHODS, ROLE_RANK, required_role, requires
+from serving.admin.schemas import heldout_summary
 from serving.admin_cli import admin_url
 
 NO_DB = "postgresql+psycopg://nobody@127.0.0.1:1/none"

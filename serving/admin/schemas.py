@@ -1,16 +1,21 @@
-"""Request and response bodies of the admin API (``serving.admin``).
+"""Request and response bodies of the admin API (``serving.admin``), and the conversions into them.
 
 These are the API's own models, apart from the tables (``flywheel.core.db.models``): ``XCreate``
 is what a client sends, ``XPublic`` what it gets back. Request models forbid unknown
-fields, so a misspelt field is refused with its name instead of being ignored.
+fields, so a misspelt field is refused with its name instead of being ignored. The
+functions at the end turn registry rows and the fleet's own objects into these models.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from flywheel.core.db.models import Checkpoint
+    from flywheel.core.pause import PauseState
 
 OPS_ROLES = ("viewer", "operator", "admin")
 """Roles accepted on the admin API, weakest first (each includes the ones before it)."""
@@ -311,3 +316,74 @@ class TokenList(BaseModel):
     """API tokens, newest first."""
 
     items: list[TokenPublic]
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def heldout_summary(eval_: dict[str, Any] | None) -> HeldoutEvalPublic | None:
+    """The held-out evaluation of a checkpoint's ``eval`` column: its gate's, else the first cached one."""
+    eval_ = eval_ or {}
+    gate = eval_.get("gate") or {}
+    if gate.get("candidate"):
+        cand = gate["candidate"]
+        return HeldoutEvalPublic(
+            success_rate=cand.get("success_rate"),
+            n=cand.get("n"),
+            key=gate.get("key"),
+            gate_passed=gate.get("passed"),
+            gate_reason=gate.get("reason"),
+        )
+    heldout = eval_.get("heldout") or {}
+    if not heldout:
+        return None
+    key, result = sorted(heldout.items())[0]
+    return HeldoutEvalPublic(success_rate=result.get("success_rate"), n=result.get("n"), key=key)
+
+
+def checkpoint_public(row: Checkpoint) -> CheckpointPublic:
+    """A registry row as listed."""
+    return CheckpointPublic(
+        id=row.id,
+        policy_version=row.policy_version,
+        parent_id=row.parent_id,
+        status=row.status,
+        status_reason=row.status_reason,
+        format=row.format,
+        n_samples=row.n_samples,
+        created_at=row.created_at,
+        last_deployed_at=row.last_deployed_at,
+        heldout=heldout_summary(row.eval),
+    )
+
+
+def checkpoint_detail(row: Checkpoint) -> CheckpointDetailPublic:
+    """A registry row with everything recorded."""
+    return CheckpointDetailPublic(
+        **checkpoint_public(row).model_dump(),
+        base_model=row.base_model,
+        path=row.path,
+        data_window_start=row.data_window_start,
+        data_window_end=row.data_window_end,
+        config_hash=row.config_hash,
+        sample_ids_hash=row.sample_ids_hash,
+        metrics=row.metrics or {},
+        eval=row.eval or {},
+    )
+
+
+def pause_public(state: PauseState) -> PauseStatePublic:
+    """A pause flag (:mod:`flywheel.core.pause`) as answered."""
+    return PauseStatePublic(paused=state.paused, actor=state.actor, at=state.at, reason=state.reason)
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """A fleet object (``to_dict()``) or a dict as a dict; anything else as ``{"value": value}``."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def deploy_result(action: str, actor: str, result: Any) -> DeployResultPublic:
+    """What a ``serving.fleet.deploy`` operation returned, under its audit action and actor."""
+    return DeployResultPublic(action=action, actor=actor, **as_dict(result))

@@ -1,0 +1,56 @@
+"""The audit log: ``GET /v1/audit`` (viewer), newest first, with filters."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from fastapi import APIRouter, Query
+from sqlalchemy import select
+
+from flywheel.core.db.models import AuditLog
+from serving.admin.deps import DbSession, Viewer
+from serving.admin.errors import ERROR_RESPONSES
+from serving.admin.schemas import TEXT_PATTERN, AuditPage, AuditPublic
+
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+
+
+@router.get("/audit", response_model=AuditPage, name="audit.list")
+def audit(
+    viewer: Viewer,
+    session: DbSession,
+    limit: int = Query(50, ge=1, le=500, description="Page size."),
+    offset: int = Query(0, ge=0, le=2**31 - 1, description="Entries to skip (newest first)."),
+    action: str | None = Query(
+        None, max_length=64, pattern=TEXT_PATTERN, description="Only this action (e.g. `deploy.promote`)."
+    ),
+    action_prefix: str | None = Query(
+        None, max_length=64, pattern=TEXT_PATTERN, description="Only actions starting with this (e.g. `token.`)."
+    ),
+    actor: str | None = Query(
+        None, max_length=128, pattern=TEXT_PATTERN, description="Only this actor (e.g. `token:alice`)."
+    ),
+    target: str | None = Query(None, max_length=256, pattern=TEXT_PATTERN, description="Only this target."),
+    success: bool | None = Query(None, description="Only successful (true) or failed (false) calls."),
+    since: datetime | None = Query(None, description="Only entries at or after this time."),
+    until: datetime | None = Query(None, description="Only entries before this time."),
+) -> AuditPage:
+    """Recent audit-log entries, newest first, with filters."""
+    query = select(AuditLog)
+    if action is not None:
+        query = query.where(AuditLog.action == action)
+    if action_prefix is not None:
+        query = query.where(AuditLog.action.startswith(action_prefix, autoescape=True))
+    if actor is not None:
+        query = query.where(AuditLog.actor == actor)
+    if target is not None:
+        query = query.where(AuditLog.target == target)
+    if success is not None:
+        query = query.where(AuditLog.success.is_(success))
+    if since is not None:
+        query = query.where(AuditLog.at >= since)
+    if until is not None:
+        query = query.where(AuditLog.at < until)
+    query = query.order_by(AuditLog.id.desc()).limit(limit).offset(offset)
+    items = [AuditPublic.model_validate(row, from_attributes=True) for row in session.scalars(query)]
+    return AuditPage(items=items, limit=limit, offset=offset)
