@@ -184,6 +184,16 @@ def _pause_line(what: str, state: dict[str, Any]) -> str:
     return f"{what}: PAUSED by {state.get('actor')} at {state.get('at')}{reason}"
 
 
+def _decision_line(decision: dict[str, Any] | None) -> str:
+    if not decision:
+        return "last decision: none"
+    failed = "" if decision.get("success", True) else f" FAILED ({decision.get('error')})"
+    return (
+        f"last decision: {decision.get('action')} on {decision.get('target')} at {decision.get('at')}{failed}: "
+        f"{decision.get('reason')}"
+    )
+
+
 def print_fleet(fleet: dict[str, Any]) -> None:
     """The fleet status in lines: stable, canary, then each replica."""
     typer.echo(f"fleet {fleet.get('fleet', '')}".rstrip())
@@ -337,7 +347,7 @@ def _canary_default(ctx: typer.Context, token: str | None = TOKEN_OPTION, url: s
 
 @canary_app.command("status")
 def canary_status(token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION, as_json: bool = JSON_OPTION) -> None:
-    """The canary and stable deployments and whether the controller is paused."""
+    """The canary and stable deployments, whether the controller is paused, and its last decision."""
     answer = _run(_client(token, url).call, "GET", "/v1/canary")
     if as_json:
         _echo_json(answer)
@@ -347,6 +357,7 @@ def canary_status(token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION
     typer.echo(_deployment_line("canary", answer.get("canary")))
     enabled = "" if answer.get("enabled") else " (disabled in settings: serving.canary.enabled=false)"
     typer.echo(_pause_line("canary controller", answer["controller"]) + enabled)
+    typer.echo(_decision_line(answer.get("last_decision")))
 
 
 @canary_app.command("weight")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from flywheel.core.db.models import Checkpoint
+    from flywheel.core.db.models import AuditLog, Checkpoint
     from flywheel.core.pause import PauseState
 
 OPS_ROLES = ("viewer", "operator", "admin")
@@ -231,6 +231,23 @@ class PauseStatePublic(BaseModel):
     reason: str | None = None
 
 
+class CanaryDecisionPublic(BaseModel):
+    """A decision of the canary controller: its ``canary.decision`` audit entry (every number is in the audit log)."""
+
+    at: datetime
+    """When it was decided."""
+    target: str | None = None
+    """The canary deployment it was about (``deployment:<id>``)."""
+    action: str | None = None
+    """``hold``, ``step_up``, ``promote`` or ``rollback``."""
+    reason: str | None = None
+    """The decision in one line, with its numbers."""
+    success: bool
+    """Whether its action went through."""
+    error: str | None = None
+    """Why the action failed, when it did."""
+
+
 class CanaryStatusPublic(BaseModel):
     """The canary controller's flag and the fleet's current canary."""
 
@@ -243,6 +260,8 @@ class CanaryStatusPublic(BaseModel):
     """The active (else pending) canary deployment, if any."""
     stable: DeploymentPublic | None
     """The active stable deployment, if any."""
+    last_decision: CanaryDecisionPublic | None = None
+    """The controller's newest decision about a canary of this fleet, if any."""
 
 
 class StatusPublic(BaseModel):
@@ -369,6 +388,19 @@ def checkpoint_detail(row: Checkpoint) -> CheckpointDetailPublic:
         sample_ids_hash=row.sample_ids_hash,
         metrics=row.metrics or {},
         eval=row.eval or {},
+    )
+
+
+def decision_public(row: AuditLog) -> CanaryDecisionPublic:
+    """A ``canary.decision`` audit row as answered."""
+    details = row.details or {}
+    return CanaryDecisionPublic(
+        at=row.at,
+        target=row.target,
+        action=details.get("action"),
+        reason=details.get("reason"),
+        success=row.success,
+        error=details.get("error"),
     )
 
 

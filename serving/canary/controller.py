@@ -121,6 +121,16 @@ def _last_decision(session: Session, target: str) -> AuditLog | None:
     ).first()
 
 
+def latest_decision(session: Session, fleet: str) -> AuditLog | None:
+    """The newest ``canary.decision`` audit entry about any canary of ``fleet`` (its ``details.fleet``)."""
+    return session.scalars(
+        select(AuditLog)
+        .where(AuditLog.action == DECISION_ACTION, AuditLog.details["fleet"].astext == fleet)
+        .order_by(AuditLog.at.desc(), AuditLog.id.desc())
+        .limit(1)
+    ).first()
+
+
 def reason_kind(reason: str) -> str:
     """The kind of a decision's reason: the text before its first ``:`` (numbers excluded)."""
     return reason.split(":", 1)[0]

@@ -8,6 +8,7 @@ tests/integration/test_serving_admin_e2e.py.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -206,6 +208,48 @@ def test_canary_and_viewer_refusal(server, admin_token, ops_token, db_url):
     viewer = {"FLYWHEEL_TOKEN": created.stdout.strip()}
     refused = flywheel("canary", "pause", "--url", server, env=viewer)
     assert refused.exit_code == 1 and "HTTP 403 forbidden: this route needs the operator role" in refused.output
+
+
+def record_decision(db_url: str, fleet: str, deployment_id: int, action: str, reason: str) -> None:
+    """A ``canary.decision`` audit row as the canary controller writes it (``details`` hold every number)."""
+    with Session(get_engine(db_url)) as session:
+        session.add(
+            AuditLog(
+                actor="canary-controller",
+                action="canary.decision",
+                target=f"deployment:{deployment_id}",
+                before={"weight": 0.05},
+                after={"weight": 0.05, "action": action},
+                details={"action": action, "reason": reason, "fleet": fleet, "weight": 0.05},
+                success=True,
+            )
+        )
+        session.commit()
+
+
+def test_canary_status_shows_the_controllers_last_decision(server, ops_token, db_url, fleet):
+    env = {"FLYWHEEL_TOKEN": ops_token}
+    none_yet = flywheel("canary", "status", "--url", server, env=env)
+    assert none_yet.exit_code == 0 and "last decision: none" in none_yet.output
+    record_decision(db_url, fleet, 7, "hold", "collecting: 3 of 50 canary sessions at step 0")
+    record_decision(db_url, fleet, 7, "rollback", "regression: upper bound -0.0412 < 0")
+    record_decision(db_url, f"{fleet}-other", 8, "promote", "non-inferior: lower bound -0.01 > -0.05")
+
+    status = flywheel("canary", "status", "--url", server, env=env)
+    assert status.exit_code == 0, status.output
+    [line] = [line for line in status.output.splitlines() if line.startswith("last decision:")]
+    assert line.startswith("last decision: rollback on deployment:7 at ")
+    assert line.endswith(": regression: upper bound -0.0412 < 0")
+    answer = json.loads(flywheel("canary", "status", "--json", "--url", server, env=env).stdout)
+    decision = answer["last_decision"]
+    assert (decision["action"], decision["reason"], decision["target"], decision["success"]) == (
+        "rollback",
+        "regression: upper bound -0.0412 < 0",
+        "deployment:7",
+        True,
+    )
+    [row] = [r for r in audit(db_url, "canary.decision") if r.details["action"] == "rollback"]
+    assert datetime.fromisoformat(decision["at"]) == row.at and f" at {decision['at']}: " in line
 
 
 def test_status_shows_stack_and_fleet(server, ops_token, tmp_path, fleet):

@@ -12,8 +12,15 @@ from sqlalchemy.orm import Session
 from serving.admin.audit import mark_audited
 from serving.admin.deps import AppSettings, DbEngine, DbSession, Operator, Principal, Viewer
 from serving.admin.errors import ERROR_RESPONSES
-from serving.admin.schemas import CanaryStatusPublic, PauseRequest, PauseStatePublic, as_dict, pause_public
-from serving.canary.controller import canary_pause_state, set_canary_paused
+from serving.admin.schemas import (
+    CanaryStatusPublic,
+    PauseRequest,
+    PauseStatePublic,
+    as_dict,
+    decision_public,
+    pause_public,
+)
+from serving.canary.controller import canary_pause_state, latest_decision, set_canary_paused
 from serving.fleet.registry import fleet_status
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
@@ -21,16 +28,18 @@ router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 @router.get("/canary", response_model=CanaryStatusPublic, name="canary.show")
 def canary_status(viewer: Viewer, settings: AppSettings, engine: DbEngine, session: DbSession) -> CanaryStatusPublic:
-    """The canary controller's pause flag and the fleet's canary and stable deployments."""
+    """The canary controller's pause flag and its last decision, and the fleet's canary and stable deployments."""
     serving = settings.serving
     fleet_ = as_dict(fleet_status(engine, serving.fleet))
     state = canary_pause_state(session)
+    decision = latest_decision(session, serving.fleet)
     return CanaryStatusPublic(
         fleet=serving.fleet,
         enabled=serving.canary.enabled,
         controller=pause_public(state),
         canary=fleet_.get("canary"),
         stable=fleet_.get("stable"),
+        last_decision=decision_public(decision) if decision is not None else None,
     )
 
 
