@@ -96,7 +96,8 @@ def endpoint_env(settings: Settings | None = None) -> dict[str, str]:
 
 
 def _server_only(url: str) -> str:
-    return make_url(url).set(database=None).render_as_string(hide_password=False)
+    # URL.set(database=None) keeps the database (None means "unchanged" there); _replace clears it.
+    return make_url(url)._replace(database=None).render_as_string(hide_password=False)
 
 
 def _recorded(settings: Settings, name: str, env_hint: str) -> ComponentRecord:
