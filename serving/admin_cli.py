@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import getpass
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import quote
 
 import typer
 
-if TYPE_CHECKING:
-    from flywheel.core.settings import Settings
+from flywheel.core.settings import Settings, get_settings
 
 READ_TIMEOUT_S = 30.0
 """Timeout of a read request."""
@@ -135,8 +135,6 @@ def _reason(response: Any) -> str:
 
 
 def _settings() -> Settings:
-    from flywheel.core.settings import get_settings
-
     return get_settings()
 
 
@@ -276,8 +274,6 @@ def checkpoints_show(
     url: str | None = URL_OPTION,
 ) -> None:
     """One checkpoint with its metrics, evaluation and data window (JSON)."""
-    from urllib.parse import quote
-
     _echo_json(_run(_client(token, url).call, "GET", f"/v1/checkpoints/{quote(checkpoint_id, safe='')}"))
 
 
