@@ -44,7 +44,7 @@ def _logging(level: str) -> None:
 @app.command()
 def topics(
     check: bool = typer.Option(False, "--check", help="Only check; create nothing."),
-    bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
+    bootstrap: str | None = typer.Option(None, help="Broker (default: settings: FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS)."),
 ) -> None:
     """Create the events and dead-letter topics if missing, and check them; exit 1 on a mismatch."""
     from flywheel.core.endpoints import kafka_bootstrap
@@ -63,7 +63,7 @@ def topics(
 
 @app.command()
 def consume(
-    bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
+    bootstrap: str | None = typer.Option(None, help="Broker (default: settings: FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS)."),
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
     migrate: bool = typer.Option(False, help="Apply database migrations first."),
     log_level: str = typer.Option("info", help="Log level."),
@@ -153,7 +153,7 @@ def report(
 
 @app.command()
 def check(
-    bootstrap: str | None = typer.Option(None, help="Broker (default: settings, else the local stack)."),
+    bootstrap: str | None = typer.Option(None, help="Broker (default: settings: FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS)."),
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL (default: settings, else the stack)."),
 ) -> None:
     """Health check: the broker has the events topic and the database has the ingest tables; exit 1 if not."""

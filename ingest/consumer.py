@@ -524,7 +524,7 @@ class IngestConsumer:
 def run(
     settings: Settings, stop_event: threading.Event, *, bootstrap: str | None = None, db_url: str | None = None
 ) -> None:
-    """Run one consumer until ``stop_event`` is set (the broker and database from settings or the local stack)."""
+    """Run one consumer until ``stop_event`` is set (the broker and database from settings)."""
     bootstrap = bootstrap or kafka_bootstrap(settings)
     conninfo = libpq_conninfo(db_url or postgres_url(settings))
     IngestConsumer(settings, bootstrap=bootstrap, conninfo=conninfo, stop_event=stop_event).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flywheel.core.entrypoint import run
 from ingest.cli import app
 
 __all__ = ["app", "main"]
@@ -9,7 +10,7 @@ __all__ = ["app", "main"]
 
 def main() -> None:
     """Run the ``flywheel-ingest`` command line."""
-    app()
+    run(app)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from datetime import UTC, datetime, timedelta
 
 import typer
 
+from flywheel.core.entrypoint import run
+
 app = typer.Typer(
     name="flywheel-rewarding",
     help="Rewarding: sessions and late feedback -> versioned rewards and training samples.",
@@ -179,7 +181,7 @@ def check() -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    run(app)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 
+from flywheel.core.entrypoint import run
 from flywheel.core.settings import Settings, get_settings
 
 app = typer.Typer(
@@ -208,7 +209,7 @@ def _check_ckpt_dir(settings: Settings) -> str:
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    run(app)
 
 
 if __name__ == "__main__":

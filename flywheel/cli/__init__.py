@@ -17,6 +17,7 @@ import typer
 
 from flywheel.cli.contracts import app as contracts_app
 from flywheel.cli.db import app as db_app
+from flywheel.core.entrypoint import run
 from flywheel.model.cli import app as model_app
 from flywheel.stack.cli import down_command, up_command
 from flywheel.stack.cli import status_command as stack_status
@@ -165,7 +166,7 @@ def main() -> None:
     import sys
 
     export_stack_endpoints(sys.argv[1:])
-    app()
+    run(app)
 
 
 if __name__ == "__main__":

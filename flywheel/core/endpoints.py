@@ -12,13 +12,23 @@ from __future__ import annotations
 
 from sqlalchemy.engine import make_url
 
+from flywheel.core.entrypoint import NotConfigured
 from flywheel.core.settings import Settings, get_settings
 
 DRIVER = "postgresql+psycopg"
 
-
-class NotConfigured(LookupError):
-    """A component was asked for that the settings do not name (not recoverable by retrying)."""
+__all__ = [
+    "DRIVER",
+    "NotConfigured",
+    "drop_database",
+    "ensure_database",
+    "kafka_bootstrap",
+    "libpq_conninfo",
+    "postgres_url",
+    "redis_url",
+    "vllm_urls",
+    "with_database",
+]
 
 
 def kafka_bootstrap(settings: Settings | None = None) -> str:

@@ -60,3 +60,26 @@ def test_composition_passes_configured_endpoints_on_with_a_server_only_postgres_
 
 def test_composition_leaves_out_what_neither_settings_nor_a_stack_know(tmp_path) -> None:
     assert endpoint_env(_settings(tmp_path)) == {}
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "variable"),
+    [
+        ("ingest.main", ["consume"], "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS"),
+        ("trainer.main", ["status"], "FLYWHEEL_POSTGRES__URL"),
+    ],
+)
+def test_a_role_started_without_an_endpoint_says_what_to_set_and_exits_2(tmp_path, module, argv, variable) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert variable in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -4,9 +4,12 @@ Environment variables are read here and nowhere else. Every field can be set as
 ``FLYWHEEL_<SECTION>__<FIELD>`` (for example ``FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS``),
 or in a ``.env`` file in the working directory.
 
-A field left at ``None`` where an external service could be named means "the local
-stack provides it": ``flywheel up`` starts (or finds) the component and records where
-it lives in the run folder's ``stack.json``.
+A service reads every endpoint (Kafka, Postgres, Redis, the vLLM replicas) from these
+settings alone (:mod:`flywheel.core.endpoints`). For the local development stack, a field
+left at ``None`` where an external service could be named means "the stack provides it":
+``flywheel up`` starts (or finds) the component, records where it lives in the run
+folder's ``stack.json``, and passes it to the services it starts through their
+environment (``flywheel env`` prints the same variables).
 """
 
 from __future__ import annotations

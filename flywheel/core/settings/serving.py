@@ -95,7 +95,7 @@ class ServingSettings(BaseModel):
     admin_port: int = Field(18090, ge=1, le=65535)
     """Port of the admin API."""
     admin_url: str | None = None
-    """Where the CLI finds the admin API; None: the local stack's, else admin_host:admin_port."""
+    """Where the CLI finds the admin API; None: http://admin_host:admin_port."""
     refresh_s: float = Field(0.5, gt=0, le=60)
     """How often the router re-reads the routing table (deployments, replica states)."""
     health_interval_s: float = Field(1.0, gt=0, le=60)
