@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from flywheel.core.entrypoint import run
+
 if TYPE_CHECKING:
     from flywheel.core.settings import Settings
 
@@ -155,7 +157,7 @@ def check_db() -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    run(app)
 
 
 if __name__ == "__main__":
