@@ -30,12 +30,11 @@ from typing import Any
 
 import httpx
 import pytest
-from flywheel_integration_conftest import WARMUP_TIMEOUT_S, make_settings  # loaded by tests/browser/conftest.py
+from conftest import WARMUP_TIMEOUT_S, make_settings
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from flywheel.core.auth import create_key, find_key, revoke_key
-from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment
 from flywheel.core.settings import CanarySettings, Settings
@@ -65,17 +64,6 @@ def artifact_path(name: str, env: str) -> Path:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def db_url(pg_url: str) -> Iterator[str]:
-    """A fresh, migrated database of this module (dropped afterwards)."""
-    url = endpoints.with_database(pg_url, f"dashboard_{uuid.uuid4().hex[:10]}")
-    endpoints.ensure_database(url)
-    migrate.upgrade(url)
-    yield url
-    get_engine(url).dispose()
-    endpoints.drop_database(url)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import socket
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -19,25 +18,13 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from flywheel.core.auth import create_key
-from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment
 from flywheel.core.settings import CanarySettings, KafkaSettings, ServingSettings, Settings
-from flywheel.stack import endpoints
 
 pytestmark = pytest.mark.integration
 
 PROJECT = "dash"
-
-
-@pytest.fixture(scope="module")
-def db_url(pg_url: str) -> Iterator[str]:
-    url = endpoints.with_database(pg_url, f"dashboard_data_{uuid.uuid4().hex[:10]}")
-    endpoints.ensure_database(url)
-    migrate.upgrade(url)
-    yield url
-    get_engine(url).dispose()
-    endpoints.drop_database(url)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,11 +25,9 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app as cli_app
 from flywheel.core.auth import create_key
-from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint
 from flywheel.core.settings import Settings, get_settings
-from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
 from serving.admin.app import create_app
@@ -40,16 +37,6 @@ from serving.fleet.registry import ensure_fleet
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 
 CANDIDATE = "e2e-candidate-1"
-
-
-@pytest.fixture(scope="module")
-def db_url(pg_url: str) -> Iterator[str]:
-    url = endpoints.with_database(pg_url, f"admin_e2e_{uuid.uuid4().hex[:10]}")
-    endpoints.ensure_database(url)
-    migrate.upgrade(url)
-    yield url
-    get_engine(url).dispose()
-    endpoints.drop_database(url)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ nothing listens on, so a test that reached a replica would fail loudly.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,11 +13,9 @@ import pytest
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
-from flywheel.stack import endpoints
 from flywheel.stack.vllm import policy_version_of
 from serving.fleet.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
 from serving.fleet.registry import ensure_fleet, fleet_lock, fleet_status
@@ -26,16 +23,6 @@ from serving.fleet.registry import ensure_fleet, fleet_lock, fleet_status
 pytestmark = pytest.mark.integration
 
 FLEET = "unit-fleet"
-
-
-@pytest.fixture(scope="module")
-def db_url(pg_url: str) -> Iterator[str]:
-    url = endpoints.with_database(pg_url, f"serving_deploy_{uuid.uuid4().hex[:10]}")
-    endpoints.ensure_database(url)
-    migrate.upgrade(url)
-    yield url
-    get_engine(url).dispose()
-    endpoints.drop_database(url)
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import fresh_database
 from sqlalchemy import create_engine, select, text
 from test_trainer_rollouts import insert_rows, sample_rows
 
-from flywheel.core.db import migrate
 from flywheel.core.db.models import Checkpoint, TrainingCycle
 from flywheel.core.settings import Settings, get_settings
-from flywheel.stack import endpoints
 
 pytestmark = pytest.mark.integration
 
@@ -52,14 +51,8 @@ def scored_rows(base_model_dir: Path) -> list[dict[str, Any]]:
 @pytest.fixture
 def db_url(pg_url: str) -> Iterator[str]:
     """A fresh, migrated database of this test alone (dropped afterwards)."""
-    url = endpoints.with_database(pg_url, f"trainer_scratch_{uuid.uuid4().hex[:10]}")
-    endpoints.ensure_database(url)
-    migrate.upgrade(url)
-    yield url
-    from flywheel.core.db.engine import get_engine
-
-    get_engine(url).dispose()
-    endpoints.drop_database(url)
+    with fresh_database(pg_url, "trainer_scratch") as url:
+        yield url
 
 
 def make_settings(

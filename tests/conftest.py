@@ -1,16 +1,27 @@
-"""Real services for integration tests, brought up through ``flywheel.stack`` itself.
+"""The one conftest of the suite: real services, fresh databases, headless Chromium, demo settings.
 
-Everything runs in a temporary run folder on free, non-default ports, so a test run
-never touches (or collides with) a developer's running stack. Fixtures stop what they
-start, also when a test fails; at the end of the session any process the stack code
-launched from this process and that is still alive is killed and reported as a leak.
+Services are brought up through ``flywheel.stack`` itself. Everything runs in a temporary
+run folder on free, non-default ports, so a test run never touches (or collides with) a
+developer's running stack. Fixtures stop what they start, also when a test fails; at the
+end of the session any process the stack code launched from this process and that is
+still alive is killed and reported as a leak.
+
+Test modules import the helpers here with ``from conftest import ...`` (pytest puts this
+folder on ``sys.path``; there is no other conftest.py in the suite). Chromium is Debian's
+(``/usr/bin/chromium``, or ``FLYWHEEL_CHROMIUM``), driven by Playwright's Python package
+without its browser download.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +29,8 @@ import httpx
 import pytest
 from hypothesis import strategies as st
 
+from flywheel.core.db import migrate
+from flywheel.core.db.engine import get_engine
 from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import port_free, spawned_alive, terminate_group
@@ -112,6 +125,26 @@ def pg_url(stack_settings: Settings) -> Iterator[str]:
     endpoints.ensure_database(url)
     yield url
     endpoints.drop_database(url)
+
+
+@contextmanager
+def fresh_database(pg_url: str, prefix: str) -> Iterator[str]:
+    """A fresh database on ``pg_url``'s server, migrated to head; dropped afterwards."""
+    url = endpoints.with_database(pg_url, f"{prefix}_{uuid.uuid4().hex[:10]}")
+    endpoints.ensure_database(url)
+    migrate.upgrade(url)
+    try:
+        yield url
+    finally:
+        get_engine(url).dispose()
+        endpoints.drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def db_url(pg_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated database of this test module (dropped afterwards)."""
+    with fresh_database(pg_url, request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -286,3 +319,104 @@ def fault_figures(request: pytest.FixtureRequest) -> Callable[..., None]:
             out.write(json.dumps(line) + "\n")
 
     return record
+
+
+# --------------------------------------------------------------------------- browser
+
+CHROMIUM = Path(os.environ.get("FLYWHEEL_CHROMIUM", "/usr/bin/chromium"))
+
+
+@pytest.fixture(scope="session")
+def chromium_path() -> Path:
+    """Debian's Chromium, else the test is skipped with the command that installs it."""
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (or set FLYWHEEL_CHROMIUM)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("the playwright Python package is missing: `pip install playwright==1.57.0`")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def browser(chromium_path: Path) -> Iterator[object]:
+    """A headless Chromium browser, one per test module.
+
+    Not per session: Playwright's sync API keeps an event loop running in the main thread
+    until it stops, and every later ``asyncio.run`` of the suite would fail meanwhile.
+    """
+    from playwright.sync_api import sync_playwright  # lazy: only browser tests need it
+
+    with sync_playwright() as pw:
+        args = ["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        instance = pw.chromium.launch(
+            executable_path=str(chromium_path), headless=True, args=[*args, "--disable-gpu", "--disable-dev-shm-usage"]
+        )
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+class ServerThread:
+    """A uvicorn server for an ASGI app on a free local port, in a thread of this process."""
+
+    def __init__(self, app: object, port: int):
+        import uvicorn  # lazy: only the tests that serve an app need it
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the server on {self.url} exited during start-up")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code in (200, 503):
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the server on {self.url} did not answer /health within 30 s")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15.0)
+
+
+@pytest.fixture
+def serve_app(unused_port):
+    """Start an ASGI app with uvicorn on a free port: ``with serve_app(app) as server: server.url``."""
+    return lambda app: ServerThread(app, unused_port())
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _free_pair(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def demo_settings(tmp_path: Path) -> Settings:
+    """Settings of a private demo run: its own run folder, broker, two vLLM replicas, router and admin API ports."""
+    vllm = free_port()
+    while not _free_pair(vllm):
+        vllm = free_port()
+    return Settings(
+        environment="test",
+        run_dir=tmp_path / "run",
+        kafka={"local_port": free_port()},
+        vllm={"base_port": vllm, "replicas": 2},
+        serving={"router_port": free_port(), "admin_port": free_port()},
+    )
