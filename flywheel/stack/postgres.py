@@ -16,6 +16,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
+from flywheel.core.endpoints import DRIVER, ensure_database, libpq_conninfo, with_database
 from flywheel.stack.base import (
     Component,
     ComponentFailed,
@@ -27,7 +28,6 @@ from flywheel.stack.base import (
     require_port_free,
     spawn,
 )
-from flywheel.core.endpoints import DRIVER, ensure_database, libpq_conninfo, with_database
 
 HOST = "127.0.0.1"
 EMBEDDED_OS_USER = "embedded_postgres"
