@@ -6,37 +6,22 @@ tokens only: they are the model's own output, so all are 1 for a trainable span 
 0 otherwise. Tool results and user text never appear in a completion (they are part of
 later prompts), so they are never trained. A completion without token ids or logprobs is
 skipped and counted by reason.
+
+A row is a :class:`flywheel.core.contracts.samples.ScoredSample`, the shape the trainer reads;
+it is built with ``model_construct`` (no validation): every field comes from an already
+validated completion event, and this runs for every completion of every scored session.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
 
 from flywheel.core.contracts.events import Completion
+from flywheel.core.contracts.samples import ScoredSample
 from rewarding.composite import CompositeReward
 from rewarding.session_state import Session
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One completion, ready for ``training_samples``."""
-
-    completion_id: uuid.UUID
-    policy_version: str
-    group_key: str | None
-    task: str | None
-    agent_role: str
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    loss_mask: list[int]
-    behaviour_logprobs: list[float]
-    reward: float
-    components: dict[str, Any]
 
 
 def group_key(session: Session) -> str | None:
@@ -66,9 +51,9 @@ def skip_reason(completion: Completion) -> str | None:
 
 def build_samples(
     session: Session, composite: CompositeReward, trainable_roles: list[str]
-) -> tuple[list[SampleRow], Counter[str]]:
-    """The sample rows of ``session`` under ``composite``, and the skipped completions by reason."""
-    rows: list[SampleRow] = []
+) -> tuple[list[ScoredSample], Counter[str]]:
+    """The samples of ``session`` under ``composite``, and the skipped completions by reason."""
+    rows: list[ScoredSample] = []
     skipped: Counter[str] = Counter()
     key = group_key(session)
     session_terms = {name: c["weighted"] for name, c in composite.components.items()}
@@ -82,7 +67,7 @@ def build_samples(
         trained = 1 if completion.span.role in trainable_roles else 0
         tokens = list(completion.completion_token_ids or [])
         rows.append(
-            SampleRow(
+            ScoredSample.model_construct(
                 completion_id=completion.completion_id,
                 policy_version=completion.policy_version,
                 group_key=key,

@@ -11,11 +11,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.core.contracts.samples import ScoredSample
 from flywheel.core.settings import RewardingSettings
 from rewarding.composite import combine, config_hash, effective_weights
 from rewarding.detectors import session_stats
 from rewarding.extractors import Extractor, JudgeUrl, build_extractors
-from rewarding.samples import SampleRow, build_samples
+from rewarding.samples import build_samples
 from rewarding.session_state import Session
 
 
@@ -33,7 +34,7 @@ class ScoredSession:
     policy_version: str | None
     input_hash: str
     event_ids: list[str]
-    samples: list[SampleRow]
+    samples: list[ScoredSample]
     skipped: Counter[str] = field(default_factory=Counter)
     """Completions that could not become samples, by reason."""
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flywheel.core.contracts.samples import StoredSample
 from flywheel.core.db.engine import get_engine, session_factory
 from flywheel.core.db.models import TrainingCycle
 from flywheel.core.endpoints import postgres_url
@@ -41,7 +42,7 @@ from trainer import ckpt, distributed, gate, registry, select
 from trainer.advantages import AdvantageResult, AdvInput, BaselineState, compute_advantages
 from trainer.ckpt import PolicyRef
 from trainer.metrics import TrainerMetrics
-from trainer.select import DataWindow, Sample, SelectionRules
+from trainer.select import DataWindow, SelectionRules
 from trainer.step import CycleTimeout, StepSample, TrainResult, prompt_features, train_on_batch
 
 # torch, transformers and peft are imported where they are used: the Celery worker's main
@@ -311,7 +312,7 @@ def parent_checkpoint_id(session: Session, t: TrainerSettings, base_id: str) -> 
 
 
 def prepare_batch(
-    samples: list[Sample],
+    samples: list[StoredSample],
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     t: TrainerSettings,
@@ -333,7 +334,7 @@ def prepare_batch(
     return [_step_sample(s, a) for s, a in zip(fitting, adv.advantages)], adv
 
 
-def _step_sample(s: Sample, advantage: float) -> StepSample:
+def _step_sample(s: StoredSample, advantage: float) -> StepSample:
     return StepSample(
         s.id, s.prompt_token_ids, s.completion_token_ids, s.loss_mask, s.behaviour_logprobs, advantage, s.reward
     )

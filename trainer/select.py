@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
+from flywheel.core.contracts.samples import StoredSample
 from flywheel.core.db.models import TrainingSample as T
 
 if TYPE_CHECKING:
@@ -73,32 +74,6 @@ class Selection:
     ids: list[int]
     counts: dict[str, int] = field(default_factory=dict)
     skip_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One training sample with everything the trainer uses."""
-
-    id: int
-    project: str
-    session_id: str
-    completion_id: str
-    reward_version: int
-    policy_version: str
-    group_key: str | None
-    task: str | None
-    agent_role: str
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    loss_mask: list[int]
-    behaviour_logprobs: list[float]
-    reward: float
-    created_at: datetime
-
-    @property
-    def episode(self) -> str:
-        """Episode identity for the advantage estimator."""
-        return f"{self.project}/{self.session_id}"
 
 
 class SampleError(ValueError):
@@ -155,7 +130,7 @@ def newest_reward_versions(rows: Sequence[SampleMeta]) -> list[SampleMeta]:
     return list(best.values())
 
 
-def validate(sample: Sample) -> None:
+def validate(sample: StoredSample) -> None:
     """Raise :class:`SampleError` when the arrays of ``sample`` do not line up."""
     n = len(sample.completion_token_ids)
     if n == 0:
@@ -182,32 +157,13 @@ def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
     return [SampleMeta(*row) for row in session.execute(query)]
 
 
-def fetch_samples(session: Session, ids: Sequence[int]) -> list[Sample]:
-    """Full rows for ``ids``, in the order of ``ids``; each is validated."""
+def fetch_samples(session: Session, ids: Sequence[int]) -> list[StoredSample]:
+    """Full rows for ``ids``, in the order of ``ids``, as the core's :class:`StoredSample`; each is validated."""
     rows = {r.id: r for r in session.scalars(select(T).where(T.id.in_(list(ids))))}
     missing = [i for i in ids if i not in rows]
     if missing:
         raise SampleError(f"samples vanished while selecting: {missing[:10]}")
-    samples = [
-        Sample(
-            id=r.id,
-            project=r.project,
-            session_id=r.session_id,
-            completion_id=str(r.completion_id),
-            reward_version=r.reward_version,
-            policy_version=r.policy_version,
-            group_key=r.group_key,
-            task=r.task,
-            agent_role=r.agent_role,
-            prompt_token_ids=list(r.prompt_token_ids),
-            completion_token_ids=list(r.completion_token_ids),
-            loss_mask=[int(m) for m in r.loss_mask],
-            behaviour_logprobs=[float(x) for x in r.behaviour_logprobs],
-            reward=float(r.reward),
-            created_at=r.created_at,
-        )
-        for r in (rows[i] for i in ids)
-    ]
+    samples = [StoredSample.from_row(rows[i]) for i in ids]
     for sample in samples:
         validate(sample)
     return samples
