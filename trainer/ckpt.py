@@ -7,11 +7,12 @@ A checkpoint folder ``<checkpoint_dir>/<checkpoint_id>/`` is either
 - ``lora``: a peft adapter (``adapter_config.json``, ``adapter_model.safetensors``) over
   the full model named by ``base_model``, plus the tokenizer,
 
-and always ``flywheel_checkpoint.json`` (:class:`CheckpointSidecar`), written last.
-Everything is written under ``.tmp-<id>-*`` in the same folder, fsynced, and renamed;
-a reader never sees a partial checkpoint. The registry row is inserted only after the
-rename (see ``trainer.cycle``); a crash between the two leaves an *orphan* folder, which
-:func:`sweep` (run by the next cycle, under the cycle lock) removes together with any
+and always ``flywheel_checkpoint.json``, written last: a
+:class:`flywheel.core.contracts.checkpoint.CheckpointSidecar` (the shape lives in the core; this
+module writes and reads it). Everything is written under ``.tmp-<id>-*`` in the same folder,
+fsynced, and renamed; a reader never sees a partial checkpoint. The registry row is inserted
+only after the rename (see ``trainer.cycle``); a crash between the two leaves an *orphan*
+folder, which :func:`sweep` (run by the next cycle, under the cycle lock) removes together with any
 leftover temporary folders. A checkpoint folder therefore belongs to one registry.
 """
 
@@ -24,12 +25,10 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
-
+from flywheel.core.contracts.checkpoint import SIDECAR_NAME, CheckpointSidecar, Format
 from flywheel.core.fsutil import fsync_dir, fsync_tree
 from flywheel.core.settings.trainer import LoraSettings
 
@@ -39,52 +38,14 @@ from flywheel.core.settings.trainer import LoraSettings
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-SIDECAR_NAME = "flywheel_checkpoint.json"
-SIDECAR_SCHEMA_VERSION = 1
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 FULL_FILES = ("config.json", "model.safetensors", "tokenizer.json", SIDECAR_NAME)
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", SIDECAR_NAME)
 
-Format = Literal["full", "lora"]
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (not recoverable by retrying as is)."""
-
-
-class CheckpointSidecar(BaseModel):
-    """``flywheel_checkpoint.json``: where a checkpoint came from and how it did."""
-
-    schema_version: int = SIDECAR_SCHEMA_VERSION
-    checkpoint_id: str
-    policy_version: str
-    """Unique; what vLLM serves it under (``update_weight_version`` / the LoRA name)."""
-    parent_id: str | None
-    parent_policy_version: str | None
-    format: Format
-    base_model: str
-    """Full model folder this checkpoint applies to (a LoRA adapter's base; for ``full``, its root)."""
-    cycle_id: int | None
-    data_window_start: datetime | None
-    data_window_end: datetime | None
-    n_samples: int
-    sample_ids: list[int]
-    """The exact ``training_samples`` ids trained on."""
-    sample_ids_hash: str
-    config_hash: str
-    config: dict[str, Any] = Field(default_factory=dict)
-    """The trainer settings that shaped the update."""
-    metrics: dict[str, Any] = Field(default_factory=dict)
-    """Cycle summary: loss before/after, selection counts, advantage stats, tokens/s."""
-    steps: list[dict[str, float]] = Field(default_factory=list)
-    """Per optimizer step: loss, mean reward, advantage and ratio stats, clip fraction, KL, tokens/s."""
-    baseline_state: dict[str, Any] = Field(default_factory=dict)
-    gate: dict[str, Any] = Field(default_factory=dict)
-    """The eval gate's decision and both evaluations."""
-    status: Literal["candidate", "rejected"]
-    versions: dict[str, str] = Field(default_factory=dict)
-    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
 def sample_ids_hash(ids: Iterable[int]) -> str:

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flywheel.core.contracts.checkpoint import CheckpointEval
 from flywheel.core.contracts.samples import StoredSample
 from flywheel.core.db.engine import get_engine, session_factory
 from flywheel.core.db.models import TrainingCycle
@@ -238,8 +239,8 @@ def _train(
             **info,
             **result.summary(),
             "samples": len(step_samples),
-            "gate_candidate_success": candidate_eval["success_rate"],
-            "gate_parent_success": parent_eval["success_rate"],
+            "gate_candidate_success": candidate_eval.success_rate,
+            "gate_parent_success": parent_eval.success_rate,
         }
         sidecar = ckpt.CheckpointSidecar(
             checkpoint_id=checkpoint_id,
@@ -259,7 +260,7 @@ def _train(
             metrics=summary,
             steps=result.steps,
             baseline_state=adv.state.to_dict(),
-            gate=decision.to_dict(),
+            gate=decision,
             status=status,
             versions=_versions(),
         )
@@ -273,7 +274,7 @@ def _train(
         sidecar,
         path,
         decision.reason,
-        {"heldout": {decision.key: candidate_eval}, "gate": decision.to_dict()},
+        CheckpointEval(heldout={decision.key: candidate_eval}, gate=decision),
     )
     registry.update_cycle(
         session,

@@ -10,17 +10,20 @@ when
 
 and is otherwise ``rejected`` with both numbers in the reason. A parent's result is
 cached in its registry row (``checkpoints.eval``) under :func:`eval_key`, so each
-policy is evaluated once per gate configuration.
+policy is evaluated once per gate configuration. Results and the decision are the core's
+:class:`~flywheel.core.contracts.checkpoint.HeldoutResult` and
+:class:`~flywheel.core.contracts.checkpoint.GateRecord`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from flywheel.core import plugins
+from flywheel.core.contracts.checkpoint import GateRecord, HeldoutResult
 from flywheel.core.settings.trainer import TrainerSettings
 from trainer.evals.base import EvalSuite
 
@@ -28,23 +31,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 GROUP = "flywheel.eval_suites"
-
-
-@dataclass(frozen=True)
-class GateDecision:
-    """The gate's verdict with both measurements."""
-
-    passed: bool
-    reason: str
-    candidate: dict[str, Any]
-    parent: dict[str, Any]
-    margin: float
-    delta: float
-    key: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready record (sidecar, checkpoint row)."""
-        return asdict(self)
 
 
 def suite_of(t: TrainerSettings) -> tuple[EvalSuite, BaseModel]:
@@ -66,21 +52,32 @@ def eval_key(t: TrainerSettings) -> str:
     return suite.key(settings, t.step.sampling_temperature)
 
 
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, t: TrainerSettings) -> dict[str, Any]:
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, t: TrainerSettings) -> HeldoutResult:
     """The gate's evaluation of a loaded policy under ``t``."""
     suite, settings = suite_of(t)
-    return suite.evaluate(model, tokenizer, settings, t.step.sampling_temperature)
+    return HeldoutResult.model_validate(suite.evaluate(model, tokenizer, settings, t.step.sampling_temperature))
 
 
-def decide(candidate: dict[str, Any], parent: dict[str, Any], t: TrainerSettings) -> GateDecision:
+def decide(
+    candidate: HeldoutResult | Mapping[str, Any], parent: HeldoutResult | Mapping[str, Any], t: TrainerSettings
+) -> GateRecord:
     """Pass or reject from two evaluations (nothing is evaluated here)."""
+    candidate, parent = HeldoutResult.model_validate(candidate), HeldoutResult.model_validate(parent)
     margin = t.gate.margin
-    cand, par = float(candidate["success_rate"]), float(parent["success_rate"])
+    cand, par = float(candidate.success_rate), float(parent.success_rate)
     delta = cand - par
     passed = cand >= par - margin
     verdict = "passed" if passed else "regressed"
     reason = (
         f"{verdict}: held-out success {cand:.3f} vs parent {par:.3f} "
-        f"(delta {delta:+.3f}, margin {margin:.3f}, n={candidate.get('n')})"
+        f"(delta {delta:+.3f}, margin {margin:.3f}, n={candidate.n})"
     )
-    return GateDecision(passed, reason, candidate, parent, margin, delta, eval_key(t))
+    return GateRecord(
+        passed=passed,
+        reason=reason,
+        candidate=candidate,
+        parent=parent,
+        margin=margin,
+        delta=delta,
+        key=eval_key(t),
+    )

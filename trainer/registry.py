@@ -23,6 +23,7 @@ from sqlalchemy import bindparam, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import JSONB
 
 from flywheel.core import pause
+from flywheel.core.contracts.checkpoint import CheckpointEval, HeldoutResult
 from flywheel.core.db.models import Checkpoint, Deployment, TrainingCycle
 from flywheel.core.pause import PauseState
 from trainer import ckpt
@@ -255,7 +256,7 @@ def add_checkpoint(
     sidecar: ckpt.CheckpointSidecar,
     path: Path,
     status_reason: str,
-    eval_: dict[str, Any],
+    eval_: CheckpointEval,
 ) -> None:
     """Stage the registry row of a complete checkpoint (the caller commits with its cycle row)."""
     session.add(
@@ -274,22 +275,20 @@ def add_checkpoint(
             sample_ids_hash=sidecar.sample_ids_hash,
             config_hash=sidecar.config_hash,
             metrics={**sidecar.metrics, "steps": sidecar.steps, "baseline_state": sidecar.baseline_state},
-            eval=eval_,
+            eval=eval_.to_dict(),
         )
     )
 
 
-def cached_eval(row: Checkpoint, key: str) -> dict[str, Any] | None:
+def cached_eval(row: Checkpoint, key: str) -> HeldoutResult | None:
     """A checkpoint's held-out evaluation under ``key``, if one is cached."""
-    return (row.eval or {}).get("heldout", {}).get(key)
+    return CheckpointEval.parse(row.eval).cached(key)
 
 
-def cache_eval(session: Session, checkpoint_id: str, key: str, result: dict[str, Any]) -> None:
-    """Store a held-out evaluation in a checkpoint's ``eval`` column."""
+def cache_eval(session: Session, checkpoint_id: str, key: str, result: HeldoutResult) -> None:
+    """Store a held-out evaluation in a checkpoint's ``eval`` column (everything else in it kept)."""
     row = get_checkpoint(session, checkpoint_id)
-    current = dict(row.eval or {})
-    current["heldout"] = {**current.get("heldout", {}), key: result}
-    row.eval = current
+    row.eval = CheckpointEval.parse(row.eval).with_heldout(key, result).to_dict()
     session.commit()
 
 
@@ -369,7 +368,7 @@ def apply_retention(session: Session, root: Path, keep_latest: int, deployed_day
             path=r.path,
             base_model=r.base_model,
             is_root=r.parent_id is None,
-            score=((r.eval or {}).get("gate") or {}).get("candidate", {}).get("success_rate"),
+            score=CheckpointEval.parse(r.eval).gated_success,
         )
         for r in rows
     ]
