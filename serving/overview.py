@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from flywheel.core.contracts.checkpoint import CheckpointEval
+
 
 @dataclass
 class CheckpointView:
@@ -191,7 +193,6 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
 
 
 def _heldout(evaluation: dict[str, Any] | None) -> float | None:
-    """The newest held-out success rate stored in a checkpoint's ``eval`` column."""
-    entries = list(((evaluation or {}).get("heldout") or {}).values())
-    rates = [e.get("success_rate") for e in entries if isinstance(e, dict) and e.get("success_rate") is not None]
-    return float(rates[-1]) if rates else None
+    """The held-out success rate stored last in a checkpoint's ``eval`` column."""
+    latest = CheckpointEval.parse(evaluation).latest_heldout()
+    return latest.success_rate if latest is not None else None

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flywheel.core.contracts.checkpoint import CheckpointEval
+
 if TYPE_CHECKING:
     from flywheel.core.db.models import AuditLog, Checkpoint
     from flywheel.core.pause import PauseState
@@ -341,23 +343,22 @@ class TokenList(BaseModel):
 
 
 def heldout_summary(eval_: dict[str, Any] | None) -> HeldoutEvalPublic | None:
-    """The held-out evaluation of a checkpoint's ``eval`` column: its gate's, else the first cached one."""
-    eval_ = eval_ or {}
-    gate = eval_.get("gate") or {}
-    if gate.get("candidate"):
-        cand = gate["candidate"]
+    """The held-out evaluation of a checkpoint's ``eval`` column: its gate's, else the first cached one by key."""
+    evaluation = CheckpointEval.parse(eval_)
+    gate = evaluation.gate
+    if gate is not None:
         return HeldoutEvalPublic(
-            success_rate=cand.get("success_rate"),
-            n=cand.get("n"),
-            key=gate.get("key"),
-            gate_passed=gate.get("passed"),
-            gate_reason=gate.get("reason"),
+            success_rate=gate.candidate.success_rate,
+            n=gate.candidate.n,
+            key=gate.key,
+            gate_passed=gate.passed,
+            gate_reason=gate.reason,
         )
-    heldout = eval_.get("heldout") or {}
-    if not heldout:
+    if not evaluation.heldout:
         return None
-    key, result = sorted(heldout.items())[0]
-    return HeldoutEvalPublic(success_rate=result.get("success_rate"), n=result.get("n"), key=key)
+    key = min(evaluation.heldout)
+    result = evaluation.heldout[key]
+    return HeldoutEvalPublic(success_rate=result.success_rate, n=result.n, key=key)
 
 
 def checkpoint_public(row: Checkpoint) -> CheckpointPublic:

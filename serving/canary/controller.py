@@ -37,6 +37,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from flywheel.core import pause
+from flywheel.core.contracts.checkpoint import CheckpointEval
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment
 from flywheel.core.endpoints import postgres_url
@@ -287,7 +288,7 @@ def auto_deploy(engine: Engine, settings: Settings, deploy_canary: Action | None
         if candidate is None:
             return None
         checkpoint_id = candidate.id
-        heldout = candidate.eval.get("heldout")
+        heldout = {key: result.to_dict() for key, result in CheckpointEval.parse(candidate.eval).heldout.items()}
     if deploy_canary is None:
         deploy_canary = deploy.deploy_canary
     details = {"reason": "auto-deploy: the newest gated candidate trained from the stable", "heldout": heldout}
