@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from flywheel.core.contracts.checkpoint import SIDECAR_NAME
 from flywheel.core.settings import Settings
 
 NOISE_SCALE = 0.6
@@ -40,7 +41,7 @@ def damaged_checkpoint(engine: Any, settings: Settings, seed: int = 0) -> str:
         target = Path(settings.trainer.checkpoints.dir).resolve() / checkpoint_id
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".tmp-{checkpoint_id}")
-        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("flywheel_checkpoint.json"))
+        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(SIDECAR_NAME))
         generator = torch.Generator().manual_seed(seed)
         for file in sorted(tmp.glob("*.safetensors")):
             tensors = load_file(file)

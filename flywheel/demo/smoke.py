@@ -15,12 +15,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from flywheel.core.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from flywheel.model.build import ModelSidecar
 
 console = Console(width=120)
 
@@ -190,24 +193,23 @@ def _sessions_through_ingest(settings: Settings, bootstrap: str, db_url: str, vl
     )
 
 
-def _summary(checks: list[Check], model_info: dict[str, Any]) -> Table:
+def _summary(checks: list[Check], model: ModelSidecar) -> Table:
     table = Table(title="Flywheel stack: smoke run", show_lines=False)
     for col in ("part", "where", "ok", "detail"):
         table.add_column(col)
     for c in checks:
         table.add_row(c.part, c.where, "[green]yes[/]" if c.ok else "[red]NO[/]", c.detail)
-    heldout = model_info.get("heldout") or {}
-    if "success_rate" in heldout:
-        table.caption = (
-            f"base model {model_info.get('policy_version')}: held-out success {heldout['success_rate']:.1%} "
-            f"(n={heldout.get('n')}, sampled at T={heldout.get('temperature')})"
-        )
+    held = model.heldout
+    table.caption = (
+        f"base model {model.policy_version}: held-out success {held.success_rate:.1%} "
+        f"(n={held.n}, sampled at T={held.temperature})"
+    )
     return table
 
 
 def run_smoke(keep_up: bool = False, replicas: int = 2, episodes: int = 20, settings: Settings | None = None) -> int:
     """Run the demo; returns the process exit code (0 when every check passed)."""
-    from flywheel.model.build import build_model
+    from flywheel.model.build import build_model, read_sidecar
     from flywheel.stack import ComponentFailed, down, up
     from flywheel.stack.endpoints import kafka_bootstrap, postgres_url, redis_url, vllm_urls
 
@@ -217,7 +219,7 @@ def run_smoke(keep_up: bool = False, replicas: int = 2, episodes: int = 20, sett
     console.rule("[bold]Flywheel demo")
     console.print("building (or reusing) the base model ...")
     model_dir = build_model(settings.model)
-    model_info = json.loads((Path(model_dir) / "flywheel_model.json").read_text())
+    model_info = read_sidecar(model_dir)
     console.print(f"model: {model_dir}")
     console.print("starting the stack (broker, Postgres, Redis, vLLM) ...")
     started = time.perf_counter()

@@ -7,6 +7,7 @@ from pathlib import Path
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from flywheel.core.contracts.checkpoint import CheckpointEval, HeldoutResult
 from flywheel.core.db.models import Checkpoint
 from flywheel.model.build import read_sidecar
 from flywheel.model.eval import DEFAULT_MAX_NEW_TOKENS, heldout_key
@@ -36,7 +37,7 @@ def register_base(session: Session, model_dir: Path | str) -> str:
             n_samples=0,
             config_hash=sidecar.build_key,
             metrics={"build": {"build_key": sidecar.build_key, "param_count": sidecar.param_count}},
-            eval={"heldout": {key: held.model_dump() | {"source": "build"}}},
+            eval=CheckpointEval(heldout={key: HeldoutResult(**held.model_dump(), source="build")}).to_dict(),
         )
         .on_conflict_do_update(index_elements=["id"], set_={"path": str(model_dir), "base_model": str(model_dir)})
     )
