@@ -35,3 +35,14 @@ def test_placeholder_secret_refused_in_production(secret):
 
 def test_real_secret_accepted_in_production():
     assert Settings(environment="production", secret_key="x" * 12 + "Q7#kLm2p").environment == "production"
+
+
+def test_the_swap_strategy_is_any_registered_plugin_and_an_unknown_one_is_named() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from flywheel.core.settings import ServingSettings
+
+    assert ServingSettings(strategy="lora").strategy == "lora"
+    with pytest.raises(ValidationError, match=r"unknown swap strategy 'nope': expected one of \['full', 'lora'\]"):
+        ServingSettings(strategy="nope")

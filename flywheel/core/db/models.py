@@ -308,7 +308,7 @@ class Deployment(Base):
         CheckConstraint("role IN ('stable', 'canary')", name="role_known"),
         CheckConstraint("weight >= 0 AND weight <= 1", name="weight_range"),
         CheckConstraint(_in("status", DEPLOYMENT_STATUSES), name="status_known"),
-        CheckConstraint("strategy IN ('full', 'lora')", name="strategy_known"),
+        CheckConstraint("strategy ~ '^[a-z][a-z0-9_]*$'", name="strategy_named"),  # a registered swap strategy
         Index(
             "uq_deployments_active_role",
             "fleet",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from flywheel.core.plugins import registered
 
 
 class CanarySettings(BaseModel):
@@ -82,8 +84,9 @@ class ServingSettings(BaseModel):
 
     fleet: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     """Name of the fleet this process serves or manages."""
-    strategy: Literal["full", "lora"] = "full"
-    """How a checkpoint reaches replicas: full weights (reload) or a LoRA adapter."""
+    strategy: str = Field("full", min_length=1, max_length=16, pattern=r"^[a-z][a-z0-9_]*$")
+    """How a checkpoint reaches replicas: a swap strategy of the entry-point group
+    ``flywheel.swap_strategies`` (built in: ``full``, reload the weights; ``lora``, load an adapter)."""
     model_alias: str = Field("flywheel", min_length=1, max_length=128)
     """Model name an agent may send to mean "whatever policy this fleet serves my session" (the router rewrites it)."""
     router_host: str = "127.0.0.1"
@@ -120,3 +123,11 @@ class ServingSettings(BaseModel):
     """Longest the reload of one replica may take."""
     canary: CanarySettings = Field(default_factory=CanarySettings)
     """The canary controller."""
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_registered(cls, name: str) -> str:
+        known = registered("flywheel.swap_strategies")
+        if known and name not in known:
+            raise ValueError(f"unknown swap strategy {name!r}: expected one of {sorted(known)}")
+        return name
