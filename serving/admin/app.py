@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -34,7 +34,7 @@ from flywheel.core.db.engine import get_engine
 from flywheel.core.endpoints import postgres_url
 from flywheel.core.settings import Settings
 from serving.admin.audit import audit_refusal
-from serving.admin.deps import READ_METHODS, ROLE_RANK, auth_refusal, required_role
+from serving.admin.deps import READ_METHODS, ROLE_RANK, auth_refusal, required_role, single_valued_query
 from serving.admin.errors import DEPLOY_ERROR_STATUS, ERROR_KIND, AdminError
 from serving.admin.routes import ROUTERS
 from serving.admin.schemas import ErrorPublic
@@ -223,6 +223,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         openapi_url=None,
         docs_url=None,
         redoc_url=None,
+        dependencies=[Depends(single_valued_query)],
     )
     app.state.engine = engine
     app.state.settings = settings

@@ -18,11 +18,13 @@ gateway write key, role ``writer``) with 403 naming the role needed, as an
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from sqlalchemy import Engine
@@ -42,6 +44,23 @@ _BEARER = HTTPBearer(auto_error=False, description="An ops token (`flywheel toke
 
 
 # --------------------------------------------------------------------------- the app's own
+
+
+def single_valued_query(request: Request) -> None:
+    """Refuse (422, through the validation handler) a query parameter given more than once.
+
+    Every parameter of the admin API takes one value; Starlette would keep the last of
+    several silently, which hides a client's mistake.
+    """
+    counts = Counter(key for key, _ in request.query_params.multi_items())
+    repeated = sorted(key for key, n in counts.items() if n > 1)
+    if repeated:
+        raise RequestValidationError(
+            [
+                {"loc": ("query", key), "msg": f"given {counts[key]} times; it takes one value", "type": "repeated"}
+                for key in repeated
+            ]
+        )
 
 
 def app_settings(request: Request) -> Settings:

@@ -534,6 +534,8 @@ def test_audit_log_filters(engine, client, tokens):
         ("GET", "/v1/checkpoints/a%00b", None, 422, "path.checkpoint_id"),
         ("GET", "/v1/audit?limit=100000000000000000000", None, 422, "query.limit"),
         ("DELETE", "/v1/tokens/99999999999999999999999", None, 422, "path.token_id"),
+        ("GET", "/v1/audit?since=0.0", None, 422, "query.since: Value error, expected an ISO 8601"),
+        ("GET", "/v1/audit?action_prefix=a&action_prefix=b", None, 422, "query.action_prefix: given 2 times"),
     ],
 )
 def test_bad_input_is_refused_naming_what_is_wrong(client, tokens, method, path, content, status, fragment):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
+from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import BeforeValidator
 from sqlalchemy import select
 
 from flywheel.core.db.models import AuditLog
@@ -13,6 +16,17 @@ from serving.admin.errors import ERROR_RESPONSES
 from serving.admin.schemas import TEXT_PATTERN, AuditPage, AuditPublic
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+
+
+def _iso_8601(value: object) -> object:
+    """A query's time must be an ISO 8601 date-time, as the schema says (pydantic alone also takes Unix seconds)."""
+    if isinstance(value, str) and not _ISO_DATE.match(value):
+        raise ValueError("expected an ISO 8601 date-time, e.g. 2026-12-04T18:00:00Z")
+    return value
+
+
+_ISO_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
+Iso8601 = Annotated[datetime, BeforeValidator(_iso_8601)]
 
 
 @router.get("/audit", response_model=AuditPage, name="audit.list")
@@ -32,8 +46,8 @@ def audit(
     ),
     target: str | None = Query(None, max_length=256, pattern=TEXT_PATTERN, description="Only this target."),
     success: bool | None = Query(None, description="Only successful (true) or failed (false) calls."),
-    since: datetime | None = Query(None, description="Only entries at or after this time."),
-    until: datetime | None = Query(None, description="Only entries before this time."),
+    since: Iso8601 | None = Query(None, description="Only entries at or after this time."),
+    until: Iso8601 | None = Query(None, description="Only entries before this time."),
 ) -> AuditPage:
     """Recent audit-log entries, newest first, with filters."""
     query = select(AuditLog)
