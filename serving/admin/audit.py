@@ -22,10 +22,11 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from flywheel.core import pause
 from flywheel.core.auth import KeyInfo
 from flywheel.core.db.models import AuditLog
 from serving.admin.deps import READ_METHODS, app_settings, db_engine
-from serving.admin.schemas import ErrorPublic
+from serving.admin.schemas import ErrorPublic, PauseStatePublic, pause_public
 from serving.fleet.registry import DeployError
 
 log = logging.getLogger(__name__)
@@ -124,3 +125,12 @@ def audit_refusal(request: Request, status: int, body: ErrorPublic) -> None:
             request.url.path,
             str(getattr(err, "orig", None) or err).strip().splitlines()[0],
         )
+
+
+def set_pause_flag(
+    request: Request, session: Session, target: pause.Target, paused: bool, actor: str, reason: str | None
+) -> PauseStatePublic:
+    """Pause or resume ``target`` (its flag writes its own audit row) and answer the new state."""
+    state = pause.set_paused(session, target, paused, actor, reason)
+    mark_audited(request)
+    return pause_public(state)

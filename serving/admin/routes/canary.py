@@ -7,10 +7,9 @@ Deploying a canary and changing its weight are deployment operations
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from sqlalchemy.orm import Session
 
-from serving.admin.audit import mark_audited
-from serving.admin.deps import AppSettings, DbEngine, DbSession, Operator, Principal, Viewer
+from serving.admin.audit import set_pause_flag
+from serving.admin.deps import AppSettings, DbEngine, DbSession, Operator, Viewer
 from serving.admin.errors import ERROR_RESPONSES
 from serving.admin.schemas import (
     CanaryStatusPublic,
@@ -20,7 +19,7 @@ from serving.admin.schemas import (
     decision_public,
     pause_public,
 )
-from serving.canary.controller import canary_pause_state, latest_decision, set_canary_paused
+from serving.canary.controller import canary_pause_state, latest_decision
 from serving.fleet.registry import fleet_status
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
@@ -43,20 +42,12 @@ def canary_status(viewer: Viewer, settings: AppSettings, engine: DbEngine, sessi
     )
 
 
-def _set_paused(
-    request: Request, session: Session, operator: Principal, paused: bool, body: PauseRequest | None
-) -> PauseStatePublic:
-    state = set_canary_paused(session, paused, operator.actor, body.reason if body else None)
-    mark_audited(request)
-    return pause_public(state)
-
-
 @router.post("/canary/pause", response_model=PauseStatePublic, name="canary.pause")
 def pause_canary(
     operator: Operator, session: DbSession, request: Request, body: PauseRequest | None = None
 ) -> PauseStatePublic:
     """Pause the canary controller: it stops stepping, promoting and rolling back until resumed."""
-    return _set_paused(request, session, operator, True, body)
+    return set_pause_flag(request, session, "canary", True, operator.actor, body.reason if body else None)
 
 
 @router.post("/canary/resume", response_model=PauseStatePublic, name="canary.resume")
@@ -64,4 +55,4 @@ def resume_canary(
     operator: Operator, session: DbSession, request: Request, body: PauseRequest | None = None
 ) -> PauseStatePublic:
     """Resume the canary controller."""
-    return _set_paused(request, session, operator, False, body)
+    return set_pause_flag(request, session, "canary", False, operator.actor, body.reason if body else None)
