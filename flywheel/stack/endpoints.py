@@ -11,7 +11,6 @@ them from settings alone (:mod:`flywheel.core.endpoints`).
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from sqlalchemy.engine import make_url
 
@@ -28,7 +27,6 @@ __all__ = [
     "libpq_conninfo",
     "postgres_url",
     "redis_url",
-    "resolved",
     "vllm_urls",
     "with_database",
 ]
@@ -120,30 +118,3 @@ def _missing(what: str, settings: Settings, env_hint: str) -> str:
     return (
         f"no {what} is configured and none is recorded in {state_path(settings)}: run `flywheel up` (or set {env_hint})"
     )
-
-
-def resolved(settings: Settings | None = None) -> Settings:
-    """``settings`` with every endpoint that the stack knows of filled in, as a deployed service sees them.
-
-    For code that runs a role in this process (tests, benchmarks) against the local stack;
-    a child process gets the same through :func:`endpoint_env`.
-    """
-    settings = settings or get_settings()
-    updates: dict[str, Any] = {}
-    try:
-        updates["kafka"] = settings.kafka.model_copy(update={"bootstrap_servers": kafka_bootstrap(settings)})
-    except StackNotRunning:
-        pass
-    try:
-        updates["postgres"] = settings.postgres.model_copy(update={"url": _server_only(postgres_url(settings))})
-    except StackNotRunning:
-        pass
-    try:
-        updates["redis"] = settings.redis.model_copy(update={"url": redis_url(settings)})
-    except StackNotRunning:
-        pass
-    try:
-        updates["vllm"] = settings.vllm.model_copy(update={"urls": vllm_urls(settings)})
-    except StackNotRunning:
-        pass
-    return settings.model_copy(update=updates)

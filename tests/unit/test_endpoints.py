@@ -9,7 +9,7 @@ import pytest
 from flywheel.core import endpoints
 from flywheel.core.endpoints import NotConfigured
 from flywheel.core.settings import Settings
-from flywheel.stack.endpoints import endpoint_env, resolved
+from flywheel.stack.endpoints import endpoint_env
 
 
 def _settings(tmp_path, **sections) -> Settings:
@@ -39,7 +39,7 @@ def test_a_server_only_url_takes_the_database_from_settings(tmp_path) -> None:
     assert endpoints.postgres_url(settings, "other") == "postgresql+psycopg://u:pw@db:5432/other"
 
 
-def test_composition_passes_configured_endpoints_on_with_a_server_only_postgres_url(tmp_path) -> None:
+def test_composition_passes_configured_endpoints_on_with_a_server_only_postgres_url(tmp_path, monkeypatch) -> None:
     settings = _settings(
         tmp_path,
         kafka={"bootstrap_servers": "k:9092"},
@@ -54,8 +54,10 @@ def test_composition_passes_configured_endpoints_on_with_a_server_only_postgres_
         "FLYWHEEL_REDIS__URL": "redis://r:6379/0",
         "FLYWHEEL_VLLM__URLS": json.dumps(["http://v0:8000", "http://v1:8000"]),
     }
-    child = resolved(settings)
-    assert endpoints.postgres_url(child) == "postgresql+psycopg://u@db:5432/flywheel"
+    for name, value in env.items():  # what a service started with this environment sees
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLYWHEEL_POSTGRES__DATABASE", "flywheel_child")
+    assert endpoints.postgres_url(Settings()) == "postgresql+psycopg://u@db:5432/flywheel_child"
 
 
 def test_composition_leaves_out_what_neither_settings_nor_a_stack_know(tmp_path) -> None:
