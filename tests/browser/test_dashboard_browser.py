@@ -278,6 +278,8 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
         }
         session.commit()
 
+    # The admin API reads the broker from its settings, as a deployed one is told it.
+    settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update={"bootstrap_servers": broker})})
     app = serving.admin.create_app(settings, engine)
     install_dashboard(app, settings, engine, serving.admin.requires)
     errors: list[str] = []
