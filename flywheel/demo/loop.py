@@ -380,11 +380,11 @@ def _summary_table(snap: Any, summary: dict[str, Any]) -> Table:
         table.add_row(c.policy_version, c.status + (f" ({c.deployed_as})" if c.deployed_as else ""),
                       "-" if c.heldout is None else f"{c.heldout:.1%}",
                       "-" if c.live_success is None else f"{c.live_success:.1%}", str(c.live_sessions))  # fmt: skip
+    regression = {k: v for k, v in summary.items() if k.startswith("regression_")}
     table.caption = (
         f"held-out {summary['base_success']:.1%} → {summary['final_success']:.1%} "
         f"({summary['gain_points']:+.1f} points) in {summary['minutes']:.1f} min; "
         f"{summary['promotions']} promoted, {summary['rollbacks']} rolled back, "
-        f"{summary['failed_requests']} failed requests; "
-        f"{json.dumps({k: v for k, v in summary.items() if k.startswith('regression_')})}"
+        f"{summary['failed_requests']} failed requests" + (f"; {json.dumps(regression)}" if regression else "")
     )
     return table
