@@ -32,8 +32,8 @@ app = typer.Typer(
 
 
 def _fleet() -> list[dict[str, object]]:
+    from flywheel.core import vllm_admin
     from flywheel.core.endpoints import vllm_urls
-    from serving.fleet import vllm_admin
 
     rows: list[dict[str, object]] = []
     for url in vllm_urls():

@@ -97,8 +97,8 @@ def _redis(url: str) -> Check:
 def _replica(url: str, episodes: int) -> Check:
     from openai import OpenAI
 
+    from flywheel.core.vllm_admin import weight_info
     from flywheel.task.arith import run_episode, sample_problems
-    from serving.fleet.vllm_admin import weight_info
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     served = client.models.list().data[0].id

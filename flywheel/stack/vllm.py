@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from flywheel.core import vllm_admin
 from flywheel.core.settings import Settings
 from flywheel.stack.base import (
     Component,
@@ -27,7 +28,6 @@ from flywheel.stack.base import (
     require_port_free,
     spawn,
 )
-from serving.fleet import vllm_admin
 
 HOST = "127.0.0.1"
 SIDECAR_NAME = "flywheel_model.json"

@@ -42,11 +42,11 @@ from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment
 from flywheel.core.endpoints import postgres_url
 from flywheel.core.pause import PauseState
+from flywheel.core.vllm_admin import VllmAdminError
 from serving.canary.live import read_live
 from serving.canary.policy import Decision, decide
 from serving.fleet import deploy
 from serving.fleet.registry import DeployError
-from serving.fleet.vllm_admin import VllmAdminError
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

@@ -8,7 +8,8 @@
   and rolling swaps;
 - :mod:`serving.fleet.strategies`: how a checkpoint reaches a replica (``full``, ``lora``),
   plug-ins of the entry-point group ``flywheel.swap_strategies``;
-- :mod:`serving.fleet.vllm_admin`: the client of vLLM's dev/RL endpoints.
+- the client of vLLM's dev/RL endpoints is the core's :mod:`flywheel.core.vllm_admin` (the
+  trainer's eval gate loads policies into its own replica with it too).
 
 Nothing is imported here, so the light vLLM client does not pull in the database.
 """

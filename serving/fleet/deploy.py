@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from flywheel.core import vllm_admin
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
-from serving.fleet import vllm_admin
 from serving.fleet.registry import (
     DeployError,
     active_deployment,

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from flywheel.core import vllm_admin
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.endpoints import vllm_urls
 from flywheel.model.build import build_model
 from flywheel.model.register import register_base
-from serving.fleet import vllm_admin
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

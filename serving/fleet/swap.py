@@ -37,8 +37,8 @@ from safetensors import safe_open
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from flywheel.core import vllm_admin
 from flywheel.core.db.models import AuditLog, Checkpoint, Replica
-from serving.fleet import vllm_admin
 from serving.fleet.registry import DeployError, checkpoint_of_version, set_replica
 from serving.fleet.strategies import SwapStrategy, Target, get_strategy
 
@@ -129,7 +129,7 @@ def check_weights(weights_path: str, reference: str | None = None) -> None:
     checkpoint), its tensors must also be exactly the reference's names and shapes: vLLM
     reloads in place into the tensors it has, so a missing or reshaped one breaks the replica.
 
-    Beyond :func:`~serving.fleet.vllm_admin.check_checkpoint` (headers, sizes): measured
+    Beyond :func:`~flywheel.core.vllm_admin.check_checkpoint` (headers, sizes): measured
     on vLLM 0.32 here, weights with NaN made the replica answer every completion with HTTP 400
     (non-finite logprobs), so they are refused before a replica is touched. Reads every
     tensor once, as the replica's reload will.

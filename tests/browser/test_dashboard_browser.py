@@ -34,6 +34,7 @@ from conftest import WARMUP_TIMEOUT_S, make_settings
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from flywheel.core import vllm_admin
 from flywheel.core.auth import create_key, find_key, revoke_key
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment
@@ -41,7 +42,6 @@ from flywheel.core.settings import CanarySettings, Settings
 from flywheel.stack import endpoints
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
-from serving.fleet import vllm_admin
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.browser]
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from flywheel.cli import app as cli_app
+from flywheel.core import vllm_admin
 from flywheel.core.auth import create_key
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint
@@ -31,7 +32,6 @@ from flywheel.core.settings import Settings, get_settings
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
 from serving.admin.app import create_app
-from serving.fleet import vllm_admin
 from serving.fleet.registry import ensure_fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]

@@ -29,6 +29,7 @@ from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from sqlalchemy import Engine, delete, update
 from sqlalchemy.orm import Session
 
+from flywheel.core import vllm_admin
 from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment, Replica
@@ -36,7 +37,6 @@ from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import load_state
 from flywheel.stack.stack import down, up
-from serving.fleet import vllm_admin
 from serving.proxy.router import Router, create_app, uvicorn_config
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flywheel.core import vllm_admin
 from flywheel.stack.vllm import cpu_binding
-from serving.fleet import vllm_admin
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

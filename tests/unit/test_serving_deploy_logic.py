@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from flywheel.core.vllm_admin import CheckpointInvalid
 from serving.fleet.deploy import DeployError, canary_urls, validate_weight
 from serving.fleet.strategies import get_strategy
 from serving.fleet.swap import SwapResult, SwapVerifyError, check_weights, completion_logprobs, parse_in_flight
-from serving.fleet.vllm_admin import CheckpointInvalid
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

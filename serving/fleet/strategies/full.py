@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-import httpx
-
-from serving.fleet import vllm_admin
+from flywheel.core import vllm_admin
+from flywheel.core.vllm_admin import base_model_name, reset_prefix_cache
 from serving.fleet.strategies.base import SwapStrategy, Target
 
 log = logging.getLogger(__name__)
@@ -42,29 +41,3 @@ class FullWeights(SwapStrategy):
     def reports(self, url: str, target: Target) -> bool:
         """``/weight_info`` equals the target's policy version."""
         return vllm_admin.weight_info(url) == target.policy_version
-
-
-def base_model_name(url: str, timeout_s: float = 10.0) -> str:
-    """The id of the replica's base model in ``/v1/models`` (the entry without a parent)."""
-    try:
-        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout_s)
-    except httpx.HTTPError as err:
-        raise vllm_admin.VllmAdminError(url, "/v1/models", 0, f"{type(err).__name__}: {err}") from err
-    if response.status_code != 200:
-        raise vllm_admin.VllmAdminError(url, "/v1/models", response.status_code, response.text)
-    models = response.json().get("data", [])
-    bases = [m["id"] for m in models if not m.get("parent")]
-    if not bases:
-        raise vllm_admin.VllmAdminError(url, "/v1/models", 200, f"no base model listed: {models}")
-    return bases[0]
-
-
-def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> bool:
-    """``POST /reset_prefix_cache``; False when vLLM could not (blocks still held by requests)."""
-    try:
-        response = httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=timeout_s)
-    except httpx.HTTPError as err:
-        raise vllm_admin.VllmAdminError(url, "/reset_prefix_cache", 0, f"{type(err).__name__}: {err}") from err
-    if response.status_code >= 400:
-        raise vllm_admin.VllmAdminError(url, "/reset_prefix_cache", response.status_code, response.text)
-    return bool(response.json().get("success", False))

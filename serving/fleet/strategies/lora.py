@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import httpx
-
-from serving.fleet import vllm_admin
+from flywheel.core import vllm_admin
 from serving.fleet.strategies.base import SwapStrategy, Target
 
 
@@ -31,23 +29,11 @@ class LoraAdapter(SwapStrategy):
                 f"checkpoint {target.checkpoint_id} has format {target.format!r}: "
                 "the lora strategy needs a LoRA adapter"
             )
-        body = {"lora_name": target.policy_version, "lora_path": str(target.path)}
-        try:
-            response = httpx.post(url.rstrip("/") + "/v1/load_lora_adapter", json=body, timeout=timeout_s)
-        except httpx.HTTPError as err:
-            raise vllm_admin.VllmAdminError(url, "/v1/load_lora_adapter", 0, f"{type(err).__name__}: {err}") from err
-        if response.status_code >= 400:
-            raise vllm_admin.VllmAdminError(url, "/v1/load_lora_adapter", response.status_code, response.text)
+        vllm_admin.load_lora_adapter(url, target.policy_version, target.path, timeout_s=timeout_s)
 
     def unload(self, url: str, target: Target, timeout_s: float = 30.0) -> None:
         """``/v1/unload_lora_adapter`` (after its deployment ended)."""
-        body = {"lora_name": target.policy_version}
-        try:
-            response = httpx.post(url.rstrip("/") + "/v1/unload_lora_adapter", json=body, timeout=timeout_s)
-        except httpx.HTTPError as err:
-            raise vllm_admin.VllmAdminError(url, "/v1/unload_lora_adapter", 0, f"{type(err).__name__}: {err}") from err
-        if response.status_code >= 400:
-            raise vllm_admin.VllmAdminError(url, "/v1/unload_lora_adapter", response.status_code, response.text)
+        vllm_admin.unload_lora_adapter(url, target.policy_version, timeout_s=timeout_s)
 
     def model_name(self, url: str, target: Target) -> str:
         """The adapter's name: its policy version."""
@@ -55,10 +41,4 @@ class LoraAdapter(SwapStrategy):
 
     def reports(self, url: str, target: Target) -> bool:
         """Whether ``/v1/models`` lists the adapter."""
-        try:
-            response = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
-        except httpx.HTTPError as err:
-            raise vllm_admin.VllmAdminError(url, "/v1/models", 0, f"{type(err).__name__}: {err}") from err
-        if response.status_code != 200:
-            raise vllm_admin.VllmAdminError(url, "/v1/models", response.status_code, response.text)
-        return any(m.get("id") == target.policy_version for m in response.json().get("data", []))
+        return any(m.get("id") == target.policy_version for m in vllm_admin.models(url))

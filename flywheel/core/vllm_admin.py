@@ -9,6 +9,14 @@ and ``vllm/entrypoints/serve/dev/rpc/api_router.py``:
 - ``POST /collective_rpc {"method": ..., "kwargs": {...}, "timeout": s}`` → ``{"results": [...]}``
 - ``POST /update_weight_version {"new_version": str}``
 - ``GET /weight_info`` → ``{"weight_version": str}``
+- ``POST /reset_prefix_cache`` → ``{"success": bool}``
+
+and, with runtime LoRA updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``),
+``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and ``POST /v1/unload_lora_adapter
+{"lora_name"}``; ``GET /v1/models`` lists the base model and every loaded adapter.
+
+Serving's hot swap (``serving.fleet``) and the trainer's eval gate (``trainer.engine``, which
+loads each policy it evaluates into a replica of its own) both use this client.
 
 These endpoints let anyone who reaches them replace the served weights: bind replicas
 to loopback only and put the router in front.
@@ -45,7 +53,10 @@ def _call(method: str, url: str, route: str, timeout_s: float, **kwargs: Any) ->
         raise VllmAdminError(base, route, response.status_code, response.text)
     if not response.content:
         return None
-    return response.json()
+    try:
+        return response.json()
+    except ValueError:  # some routes answer plain text (load_lora_adapter: "Success: ...")
+        return response.text
 
 
 def pause(url: str, mode: PauseMode = "keep", timeout_s: float = 120.0) -> None:
@@ -151,6 +162,36 @@ def update_weight_version(url: str, version: str, timeout_s: float = 10.0) -> No
 def weight_info(url: str, timeout_s: float = 10.0) -> str | None:
     """The replica's current weight version (None if never set)."""
     return _call("GET", url, "/weight_info", timeout_s).get("weight_version")
+
+
+def models(url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """``GET /v1/models``: the served base model and the loaded LoRA adapters (entries with a ``parent``)."""
+    return list(_call("GET", url, "/v1/models", timeout_s).get("data", []))
+
+
+def base_model_name(url: str, timeout_s: float = 10.0) -> str:
+    """The id of the replica's base model in ``/v1/models`` (the entry without a parent)."""
+    listed = models(url, timeout_s)
+    bases = [m["id"] for m in listed if not m.get("parent")]
+    if not bases:
+        raise VllmAdminError(url.rstrip("/"), "/v1/models", 200, f"no base model listed: {listed}")
+    return bases[0]
+
+
+def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> bool:
+    """``POST /reset_prefix_cache``; False when vLLM could not (blocks still held by requests)."""
+    answer = _call("POST", url, "/reset_prefix_cache", timeout_s)
+    return bool((answer or {}).get("success", False))
+
+
+def load_lora_adapter(url: str, name: str, path: str | Path, timeout_s: float = 120.0) -> None:
+    """Load the peft adapter folder ``path`` beside the base model, served under the model name ``name``."""
+    _call("POST", url, "/v1/load_lora_adapter", timeout_s, json={"lora_name": name, "lora_path": str(path)})
+
+
+def unload_lora_adapter(url: str, name: str, timeout_s: float = 30.0) -> None:
+    """Unload the adapter served as ``name``."""
+    _call("POST", url, "/v1/unload_lora_adapter", timeout_s, json={"lora_name": name})
 
 
 def health(url: str, timeout_s: float = 5.0) -> bool:
