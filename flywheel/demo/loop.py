@@ -103,6 +103,12 @@ class DemoConfig:
     """Called with (engine, settings, service group) once the services and the agent run."""
     on_finish: Callable[[Any, Settings, dict[str, Any]], None] | None = None
     """Called with (engine, settings, summary) after the summary, while every service still runs."""
+    agent_factory: Callable[[Any, str], Any] | None = None
+    """Builds the agent product from (the SDK client, the router URL) instead of the calculator agent: any
+    object with ``start()``, ``stop(timeout_s)`` and ``stats.snapshot()`` (``make bench-byo``'s chat agent)."""
+    until: Callable[[Any, Any], bool] | None = None
+    """Ends the learning phase when it returns True, called with (engine, snapshot) every 2 s, instead of the
+    held-out target (which needs the base model's held-out evaluation); the budget still applies."""
 
 
 def service_overrides(config: DemoConfig, settings: Settings, db_url: str) -> dict[str, dict[str, Any]]:
@@ -207,20 +213,24 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         project = f"demo-{uuid.uuid4().hex[:6]}"
         fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=kafka_bootstrap(settings),
                       spool_dir=Path(settings.run_dir) / "demo-spool")  # fmt: skip
-        agent = DemoAgent(fw, router, concurrency=config.concurrency, seed=config.seed)
+        if config.agent_factory is not None:
+            agent = config.agent_factory(fw, router)
+        else:
+            agent = DemoAgent(fw, router, concurrency=config.concurrency, seed=config.seed)
         agent.start()
         if config.on_start is not None:
             config.on_start(engine, child_settings, group)
         learn_started = time.monotonic()
         base = snapshot(engine, settings.serving.fleet)
-        base_success = _base_success(base)
+        base_success = _base_success(base, required=config.until is None)
         budget_s = config.budget_minutes * 60
         with Live(console=console, refresh_per_second=1, transient=False) if config.live else _NoLive() as live:
             while True:
                 snap = snapshot(engine, settings.serving.fleet)
                 elapsed = time.monotonic() - learn_started
                 live.update(render(snap, agent.stats.snapshot(), elapsed, budget_s))
-                if _reached(snap, base_success, config) or elapsed > budget_s:
+                done = config.until(engine, snap) if config.until is not None else _reached(snap, base_success, config)
+                if done or elapsed > budget_s:
                     break
                 if revived := group.revive():  # like compose's restart policy; a crash loop raises
                     console.print(f"[yellow]restarted {', '.join(revived)}: it died (see its log)[/]")
@@ -311,9 +321,12 @@ def _with_overrides(settings: Settings, overrides: dict[str, dict[str, Any]]) ->
     return Settings.model_validate(data)
 
 
-def _base_success(snap: Any) -> float:
+def _base_success(snap: Any, required: bool = True) -> float | None:
+    """The base checkpoint's held-out success; None when it has none and it is not ``required``."""
     roots = [c for c in snap.checkpoints if c.parent_id is None and c.heldout is not None]
     if not roots:
+        if not required:
+            return None
         raise RuntimeError("the base checkpoint has no held-out evaluation (rebuild the model)")
     return roots[0].heldout
 
@@ -339,20 +352,21 @@ def config_json(config: DemoConfig) -> dict[str, Any]:
     """The knobs of ``config`` as JSON values (the hooks left out: they are code, and may hold locks)."""
     out = {}
     for f in fields(config):
-        if f.name in ("on_start", "on_finish"):
+        if f.name in ("on_start", "on_finish", "agent_factory", "until"):
             continue
         value = getattr(config, f.name)
         out[f.name] = str(value) if isinstance(value, Path) else value
     return out
 
 
-def _summary(snap: Any, base_success: float, minutes: float, agent: dict[str, Any], regression: dict[str, Any],
+def _summary(snap: Any, base_success: float | None, minutes: float, agent: dict[str, Any], regression: dict[str, Any],
              config: DemoConfig) -> dict[str, Any]:  # fmt: skip
     final = _stable_success(snap) or base_success
+    known = base_success is not None and final is not None
     return {
-        "base_success": round(base_success, 4),
-        "final_success": round(final, 4),
-        "gain_points": round((final - base_success) * 100, 1),
+        "base_success": round(base_success, 4) if base_success is not None else None,
+        "final_success": round(final, 4) if final is not None else None,
+        "gain_points": round((final - base_success) * 100, 1) if known else None,
         "cycles": sum(snap.cycles.values()),
         "cycles_by_status": snap.cycles,
         "minutes": round(minutes, 2),
@@ -381,9 +395,14 @@ def _summary_table(snap: Any, summary: dict[str, Any]) -> Table:
                       "-" if c.heldout is None else f"{c.heldout:.1%}",
                       "-" if c.live_success is None else f"{c.live_success:.1%}", str(c.live_sessions))  # fmt: skip
     regression = {k: v for k, v in summary.items() if k.startswith("regression_")}
-    table.caption = (
+    heldout = (
         f"held-out {summary['base_success']:.1%} → {summary['final_success']:.1%} "
-        f"({summary['gain_points']:+.1f} points) in {summary['minutes']:.1f} min; "
+        f"({summary['gain_points']:+.1f} points)"
+        if summary["gain_points"] is not None
+        else "no held-out figure for the base model"
+    )
+    table.caption = (
+        f"{heldout} in {summary['minutes']:.1f} min; "
         f"{summary['promotions']} promoted, {summary['rollbacks']} rolled back, "
         f"{summary['failed_requests']} failed requests" + (f"; {json.dumps(regression)}" if regression else "")
     )
