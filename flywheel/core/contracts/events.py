@@ -40,10 +40,12 @@ SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
 """Schema versions this code reads."""
 
-MAX_TEXT = 1_000_000
-"""Longest text field, in characters."""
-MAX_TOKENS = 65_536
-"""Longest token id or logprob list."""
+MAX_TEXT = 64 * 1024 * 1024
+"""Longest text field, in characters: a static bound above any configurable event size (the
+deployment's own limit is ``ingest.max_event_bytes``, in bytes, checked by the SDK and ingest)."""
+MAX_TOKENS = 1_048_576
+"""Longest token id or logprob list: a static bound above any configurable completion length
+(the deployment's own limit is ``ingest.max_completion_tokens``, checked by the SDK and ingest)."""
 MAX_FUTURE_SKEW = timedelta(hours=1)
 """How far ahead of the receiver's clock an event time may be."""
 EARLIEST_EVENT_TIME = datetime(2020, 1, 1, tzinfo=UTC)

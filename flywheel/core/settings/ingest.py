@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from flywheel.core.contracts.events import MAX_TOKENS
+
+MAX_COMPLETION_TOKENS = 131_072
+"""Default of ``ingest.max_completion_tokens`` (and of the SDK's ``FLYWHEEL_MAX_COMPLETION_TOKENS``)."""
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+"""Default of ``ingest.max_event_bytes`` (and of the SDK's ``FLYWHEEL_MAX_EVENT_BYTES``): room for a
+completion of :data:`MAX_COMPLETION_TOKENS` tokens with logprobs (about 4 MB of JSON, at most ~5.2 MB
+with the longest ids and floats) plus its text and a prompt of the same length."""
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Default of ``ingest.max_body_bytes`` (and of the SDK's ``FLYWHEEL_MAX_BODY_BYTES``)."""
 
 
 class IngestSettings(BaseModel):
@@ -26,10 +37,15 @@ class IngestSettings(BaseModel):
     """Address the HTTP gateway binds."""
     gateway_port: int = Field(18080, ge=1, le=65535)
     """Port of the HTTP gateway."""
-    max_body_bytes: int = Field(5_000_000, ge=1024, le=100_000_000)
-    """Largest request body the gateway reads (413 beyond)."""
-    max_event_bytes: int = Field(1_000_000, ge=256, le=50_000_000)
-    """Largest single event, serialized (rejected beyond)."""
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, le=256 * 1024 * 1024)
+    """Largest request body the gateway reads (413 beyond); at least ``max_event_bytes`` plus the
+    body's own 13 bytes, so that one event of the largest size can be sent."""
+    max_event_bytes: int = Field(MAX_EVENT_BYTES, ge=256, le=64 * 1024 * 1024)
+    """Largest single event, serialized as JSON: refused beyond, naming this setting, by the gateway
+    (422 for that event) and the consumer (dead letter). Kafka records may be ``kafka.max_record_bytes``."""
+    max_completion_tokens: int = Field(MAX_COMPLETION_TOKENS, ge=1, le=MAX_TOKENS)
+    """Longest completion accepted, in tokens (``completion_token_ids``, and ``logprobs`` with them):
+    refused beyond, naming this setting, by the gateway (422 for that event) and the consumer (dead letter)."""
     max_batch_events: int = Field(1000, ge=1, le=100000)
     """Most events in one gateway request."""
     metrics_port: int | None = Field(None, ge=1, le=65535)
@@ -55,3 +71,12 @@ class IngestSettings(BaseModel):
     time in its UUIDv7 completion id (the SDK mints the id when it logs the completion)."""
     feedback_sweep_max: int = Field(500, ge=1, le=100000)
     """Most pending feedback rows one lookup round handles."""
+
+    @model_validator(mode="after")
+    def _body_holds_an_event(self) -> IngestSettings:
+        if self.max_body_bytes < self.max_event_bytes + len(b'{"events":[]}'):
+            raise ValueError(
+                f"ingest.max_body_bytes ({self.max_body_bytes}) cannot hold one event of ingest.max_event_bytes "
+                f"({self.max_event_bytes}) in a gateway request; raise it to at least max_event_bytes + 13"
+            )
+        return self
