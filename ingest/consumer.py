@@ -43,6 +43,7 @@ from flywheel.core.contracts.topics import dead_letter_topic, events_topic
 from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
 from flywheel.core.settings import Settings
 from ingest import metrics
+from ingest.limits import Limits, check_record_limit
 from ingest.pending import ResolveResult, ResolveSettings, resolve_round
 from ingest.writer import (
     TRANSIENT_ERRORS,
@@ -63,7 +64,9 @@ PROJECT_MAX = 128
 DLQ_VALUE_MAX = 512 * 1024
 """Largest value copied onto the dead-letter topic (the table keeps the whole record)."""
 BATCH_MAX_BYTES = 32 * 1024 * 1024
-"""A batch closes early once its records reach this many bytes."""
+"""A batch closes early once its records reach this many bytes (one record larger than that is a batch alone)."""
+FETCH_MAX_BYTES = 64 * 1024 * 1024
+"""Most bytes one fetch returns over all partitions (at least ``kafka.max_record_bytes``)."""
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 5.0
 KAFKA_TIMEOUT_S = 30.0
@@ -95,15 +98,20 @@ class BatchResult:
     n_records: int = 0
 
 
-def process_batch(records: Iterable[RecordLike]) -> BatchResult:
-    """Split Kafka records into valid event rows and dead letters; never raises on input."""
+def process_batch(records: Iterable[RecordLike], limits: Limits | None = None) -> BatchResult:
+    """Split Kafka records into valid event rows and dead letters; never raises on input.
+
+    ``limits``: the configured event limits (default: the settings' defaults); a record over
+    one is a dead letter whose reason names the setting.
+    """
+    limits = limits or Limits()
     result = BatchResult()
     seen: set = set()
     for record in records:
         result.n_records += 1
         position = (record.topic, record.partition)
         result.offsets[position] = max(result.offsets.get(position, 0), record.offset + 1)
-        outcome = classify(record)
+        outcome = classify(record, limits)
         if isinstance(outcome, DeadLetterRow):
             result.dead_letters.append(outcome)
         elif outcome.event_id in seen:
@@ -117,11 +125,15 @@ def process_batch(records: Iterable[RecordLike]) -> BatchResult:
     return result
 
 
-def classify(record: RecordLike) -> EventRow | UnattachedRow | DeadLetterRow:
+def classify(record: RecordLike, limits: Limits | None = None) -> EventRow | UnattachedRow | DeadLetterRow:
     """One record → the row to insert, or the dead letter saying why it cannot be accepted."""
+    limits = limits or Limits()
     value = record.value
     if value is None:
         return dead_letter(record, "", "the record has no value (a tombstone is not an event)", None)
+    too_big = limits.size_problem(len(value))
+    if too_big:
+        return dead_letter(record, "", too_big, None, kind="limit")
     try:
         text = bytes(value).decode("utf-8")
     except UnicodeDecodeError:
@@ -139,6 +151,9 @@ def classify(record: RecordLike) -> EventRow | UnattachedRow | DeadLetterRow:
             event = parse_event(data)
         except ContractError as err:
             return dead_letter(record, err.field, err.reason, project)
+    over = limits.event_problem(event)
+    if over is not None:
+        return dead_letter(record, over[0], over[1], event.project, kind="limit")
     key_problem = _key_problem(record.key, event)
     if key_problem:
         key_field = "session_id" if event.session_id is not None else "completion_id"
@@ -289,6 +304,8 @@ class IngestConsumer:
         self.settings = settings
         self.bootstrap = bootstrap
         self.stop_event = stop_event
+        self.record_bytes = check_record_limit(settings)
+        self.limits = Limits.from_settings(settings)
         self.topic = events_topic(settings.kafka.topic_prefix)
         self.dlq_topic = dead_letter_topic(settings.kafka.topic_prefix)
         ingest = settings.ingest
@@ -318,8 +335,8 @@ class IngestConsumer:
             # a group's first join for about half of it. Tied to max_poll_interval_ms (capped).
             session_timeout_ms=session_timeout,
             heartbeat_interval_ms=min(3000, session_timeout // 3),
-            fetch_max_bytes=64 * 1024 * 1024,
-            max_partition_fetch_bytes=16 * 1024 * 1024,
+            fetch_max_bytes=max(FETCH_MAX_BYTES, self.record_bytes),
+            max_partition_fetch_bytes=self.record_bytes,
             fetch_max_wait_ms=min(100, ingest.batch_max_wait_ms),
             check_crcs=ingest.check_crcs,
         )
@@ -343,7 +360,7 @@ class IngestConsumer:
         try:
             while not self.stop_event.is_set():
                 records = self.collect()
-                batch = process_batch(records) if records else None
+                batch = process_batch(records, self.limits) if records else None
                 if pending is not None:
                     self.finish(pending)
                     pending = None

@@ -11,7 +11,9 @@ topic (keyed by session id, or by completion id for feedback that names no sessi
 - 403, same shape: every event belongs to another project than the key's;
 - 401: missing, unknown or revoked key (403 for a token that is not a write key);
 - 413: a body over ``max_body_bytes`` or more than ``max_batch_events`` events
-  (an event over ``max_event_bytes`` is rejected alone, in the 422 answer);
+  (an event over ``ingest.max_event_bytes``, or a completion over
+  ``ingest.max_completion_tokens``, is rejected alone, in the 422 answer, its reason naming
+  the setting and its value);
 - 400: a body that is not ``{"events": [...]}``; 503: Kafka did not acknowledge (retry:
   event ids make a retry harmless).
 """
@@ -43,6 +45,7 @@ from flywheel.core.db.engine import session_factory
 from flywheel.core.endpoints import kafka_bootstrap, postgres_url
 from flywheel.core.settings import Settings
 from ingest import metrics
+from ingest.limits import Limits, check_record_limit
 
 log = logging.getLogger(__name__)
 
@@ -101,16 +104,21 @@ class BatchVerdict:
         return 422
 
 
-def validate_batch(items: Sequence[Any], project: str, max_event_bytes: int) -> BatchVerdict:
-    """Check each event of a batch on its own: size, contract, project scope."""
+def validate_batch(items: Sequence[Any], project: str, limits: Limits | int) -> BatchVerdict:
+    """Check each event of a batch on its own: size, contract, configured limits, project scope.
+
+    ``limits`` may be the event byte limit alone (the completion token limit is then its default).
+    """
+    if isinstance(limits, int):
+        limits = Limits(max_event_bytes=limits)
     accepted: list[EventBase] = []
     rejected: list[Rejection] = []
     foreign = 0
     for index, item in enumerate(items):
         event_id = _readable_id(item)
-        size = _size(item)
-        if size > max_event_bytes:
-            rejected.append(Rejection(index=index, event_id=event_id, field="", reason=_too_big(size, max_event_bytes)))
+        too_big = limits.size_problem(_size(item))
+        if too_big:
+            rejected.append(Rejection(index=index, event_id=event_id, field="", reason=too_big))
             continue
         if not isinstance(item, dict):
             reason = f"an event must be a JSON object, got {type(item).__name__}"
@@ -120,6 +128,10 @@ def validate_batch(items: Sequence[Any], project: str, max_event_bytes: int) -> 
             event = parse_event(item)
         except ContractError as err:
             rejected.append(Rejection(index=index, event_id=event_id, field=err.field, reason=err.reason))
+            continue
+        over = limits.event_problem(event)
+        if over is not None:
+            rejected.append(Rejection(index=index, event_id=str(event.event_id), field=over[0], reason=over[1]))
             continue
         if event.project != project:
             foreign += 1
@@ -137,10 +149,6 @@ def _readable_id(item: Any) -> str | None:
 
 def _size(item: Any) -> int:
     return len(json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
-
-
-def _too_big(size: int, limit: int) -> str:
-    return f"event is {size} bytes serialized, over the limit of {limit} bytes"
 
 
 class KeyStore:
@@ -208,13 +216,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         if not declared.isdigit():
             raise HTTPException(400, "invalid Content-Length header")
         if int(declared) > limit:
-            raise HTTPException(413, f"body of {declared} bytes is over the limit of {limit} bytes")
+            raise HTTPException(413, f"body of {declared} bytes is over the limit ingest.max_body_bytes = {limit}")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise HTTPException(413, f"body is over the limit of {limit} bytes")
+            raise HTTPException(413, f"body is over the limit ingest.max_body_bytes = {limit}")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -232,7 +240,9 @@ def decode_batch(body: bytes, max_events: int) -> list[Any]:
         raise HTTPException(400, f"unknown body field(s): {', '.join(extra)}")
     events = data["events"]
     if len(events) > max_events:
-        raise HTTPException(413, f"{len(events)} events in one request, over the limit of {max_events}")
+        raise HTTPException(
+            413, f"{len(events)} events in one request, over the limit ingest.max_batch_events = {max_events}"
+        )
     return events
 
 
@@ -254,13 +264,13 @@ def produce(producer: ProducerLike, topic: str, events: Sequence[EventBase]) -> 
 
 
 def make_producer(settings: Settings) -> ProducerLike:
-    """A KafkaProducer for the gateway: ``acks=all``, sized for the largest event."""
+    """A KafkaProducer for the gateway: ``acks=all``, sized for the largest event (``kafka.max_record_bytes``)."""
     return KafkaProducer(
         bootstrap_servers=kafka_bootstrap(settings).split(","),
         client_id="flywheel-ingest-gateway",
         acks="all",
         linger_ms=2,
-        max_request_size=max(1_048_576, settings.ingest.max_event_bytes + 65_536),
+        max_request_size=check_record_limit(settings),
     )
 
 
@@ -301,6 +311,8 @@ def create_app(
     are cached for ``key_cache_ttl_s`` (so a revocation takes effect within it).
     """
     ingest = settings.ingest
+    check_record_limit(settings)
+    limits = Limits.from_settings(settings)
     topic = events_topic(settings.kafka.topic_prefix)
     state: dict[str, Any] = {"producer": producer}
     if db_url is None:
@@ -348,7 +360,7 @@ def create_app(
         key = await run_in_threadpool(keys.authenticate, request.headers.get("authorization"))
         body = await read_body(request, ingest.max_body_bytes)
         items = decode_batch(body, ingest.max_batch_events)
-        verdict = await run_in_threadpool(validate_batch, items, key.project, ingest.max_event_bytes)
+        verdict = await run_in_threadpool(validate_batch, items, key.project, limits)
         if verdict.accepted:
             await run_in_threadpool(produce, state["producer"], topic, verdict.accepted)
         _count(key, verdict)

@@ -1,7 +1,9 @@
 """Create and check the ingest topics: the events topic and its dead-letter topic.
 
 Both are keyed by session id (so one session's events stay in one partition, in order) and
-get their partition count, replication factor and retention from :class:`IngestSettings`.
+get their partition count, replication factor and retention from :class:`IngestSettings`, and
+``max.message.bytes`` from ``kafka.max_record_bytes`` (so the largest event fits; Tansu 0.6
+accepts the setting and enforces no record size at all).
 An existing topic is never altered: a partition count that differs from the settings is
 reported, because changing it would move sessions to other partitions mid-stream.
 """
@@ -18,10 +20,12 @@ from kafka.errors import KafkaError
 
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
 from flywheel.core.settings import Settings
+from ingest.limits import check_record_limit
 
 log = logging.getLogger(__name__)
 
 RETENTION_KEY = "retention.ms"
+MAX_MESSAGE_KEY = "max.message.bytes"
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class TopicSpec:
     partitions: int
     replication_factor: int
     retention_ms: int
+    max_message_bytes: int
 
 
 @dataclass
@@ -56,9 +61,10 @@ def topic_specs(settings: Settings) -> list[TopicSpec]:
     ingest = settings.ingest
     retention_ms = ingest.retention_hours * 3_600_000
     prefix = settings.kafka.topic_prefix
+    record = check_record_limit(settings)
     return [
-        TopicSpec(events_topic(prefix), ingest.partitions, ingest.replication_factor, retention_ms),
-        TopicSpec(dead_letter_topic(prefix), ingest.partitions, ingest.replication_factor, retention_ms),
+        TopicSpec(events_topic(prefix), ingest.partitions, ingest.replication_factor, retention_ms, record),
+        TopicSpec(dead_letter_topic(prefix), ingest.partitions, ingest.replication_factor, retention_ms, record),
     ]
 
 
@@ -86,7 +92,7 @@ def _create_missing(admin, specs: list[TopicSpec], statuses: dict[str, TopicStat
         spec.name: {
             "num_partitions": spec.partitions,
             "replication_factor": spec.replication_factor,
-            "configs": {RETENTION_KEY: str(spec.retention_ms)},
+            "configs": {RETENTION_KEY: str(spec.retention_ms), MAX_MESSAGE_KEY: str(spec.max_message_bytes)},
         }
         for spec in specs
         if spec.name not in existing
@@ -120,14 +126,18 @@ def _check_partitions(admin, statuses: dict[str, TopicStatus]) -> None:
 
 
 def _check_retention(admin, statuses: dict[str, TopicStatus]) -> None:
-    """Compare retention where the broker reports it (Tansu does not answer DescribeConfigs)."""
+    """Compare retention and the record size limit where the broker reports them (Tansu does not
+    answer DescribeConfigs)."""
     names = [name for name, status in statuses.items() if status.partitions is not None and not status.created]
     if not names:
         return
     try:
         with _quiet("kafka"):  # a broker without DescribeConfigs drops the connection: a note, not an error
             answer = admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, name, {RETENTION_KEY: None}) for name in names]
+                [
+                    ConfigResource(ConfigResourceType.TOPIC, name, {RETENTION_KEY: None, MAX_MESSAGE_KEY: None})
+                    for name in names
+                ]
             )
     except KafkaError as err:
         for name in names:
@@ -142,6 +152,12 @@ def _check_retention(admin, statuses: dict[str, TopicStatus]) -> None:
         status.retention_ms = int(entry)
         if status.retention_ms != status.spec.retention_ms:
             status.problems.append(f"retention is {status.retention_ms} ms, settings say {status.spec.retention_ms} ms")
+        largest = _config_value(answer, name, MAX_MESSAGE_KEY)
+        if largest is not None and int(largest) < status.spec.max_message_bytes:
+            status.problems.append(
+                f"{MAX_MESSAGE_KEY} is {largest}, below kafka.max_record_bytes = {status.spec.max_message_bytes}: "
+                f"the largest events would be refused (raise the topic's {MAX_MESSAGE_KEY})"
+            )
 
 
 @contextmanager

@@ -162,7 +162,7 @@ def test_a_mixed_batch_is_422_naming_each_bad_event_while_the_good_ones_are_acce
     assert set(rejected) == {1, 2, 3, 4}
     assert rejected[1]["field"] == "messages.0.role" and rejected[1]["event_id"] == bad_role["event_id"]
     assert rejected[2]["field"] == "schema_version" and rejected[2]["event_id"] is None
-    assert "over the limit of 4000 bytes" in rejected[3]["reason"]
+    assert "over the limit ingest.max_event_bytes = 4000" in rejected[3]["reason"]
     assert rejected[4]["reason"] == f"write key is scoped to project {gateway.project}"
     found = on_topic(gateway, set(body["accepted"]))
     assert set(body["accepted"]) <= set(found)
@@ -208,7 +208,7 @@ def test_oversize_bodies_and_batches_are_413(gateway):
     assert gateway.post(None, content=chunks()).status_code == 413
     many = {"events": [turn(gateway.project) for _ in range(11)]}
     response = gateway.post(many)
-    assert response.status_code == 413 and "over the limit of 10" in response.json()["detail"]
+    assert response.status_code == 413 and "over the limit ingest.max_batch_events = 10" in response.json()["detail"]
     assert gateway.post(b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
 
 

@@ -51,7 +51,7 @@ def test_an_oversize_event_is_rejected_alone():
     verdict = validate_batch([big, ev()], "demo", 1_000)
     assert verdict.status == 422 and len(verdict.accepted) == 1
     (rejection,) = verdict.rejected
-    assert rejection.index == 0 and "over the limit of 1000 bytes" in rejection.reason
+    assert rejection.index == 0 and "over the limit ingest.max_event_bytes = 1000" in rejection.reason
 
 
 @pytest.mark.parametrize(
