@@ -236,13 +236,22 @@ class RewardingApp:
             broker_commit_interval=c.commit_interval_s,
             producer_linger=PRODUCER_LINGER_S,
             producer_max_batch_size=PRODUCER_BATCH_BYTES,
+            # A changelog record holds a session's state (all its events) and a scored record all its
+            # samples: with 128 k-token completions, megabytes each (faust's defaults: 1 MB, 4 MB).
+            producer_max_request_size=self.settings.kafka.max_record_bytes,
+            consumer_max_fetch_size=self.settings.kafka.max_record_bytes,
             worker_redirect_stdouts=False,
             Table=ChangelogTable,
             TableManager=RewardingTableManager,
             Monitor=LeanMonitor,
             **web,
         )
-        app.transport = Transport(app.conf.broker_consumer, app, fetch_max_wait_s=c.fetch_max_wait_s)
+        app.transport = Transport(
+            app.conf.broker_consumer,
+            app,
+            fetch_max_wait_s=c.fetch_max_wait_s,
+            fetch_max_bytes=self.settings.kafka.max_record_bytes,
+        )
         app.producer.buffer.max_messages = PRODUCER_BUFFER_MESSAGES
         return app
 

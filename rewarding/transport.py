@@ -34,9 +34,10 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
 
     def _create_worker_consumer(self, transport: Any) -> aiokafka.AIOKafkaConsumer:
         consumer = super()._create_worker_consumer(transport)
-        if not hasattr(consumer, "_fetch_max_wait_ms"):
+        if not (hasattr(consumer, "_fetch_max_wait_ms") and hasattr(consumer, "_fetch_max_bytes")):
             raise RuntimeError("this aiokafka keeps its fetch wait elsewhere; rewarding.transport needs updating")
         consumer._fetch_max_wait_ms = transport.fetch_max_wait_ms
+        consumer._fetch_max_bytes = max(consumer._fetch_max_bytes, transport.fetch_max_bytes)
         return consumer
 
 
@@ -214,10 +215,15 @@ class _Started(collections.abc.Coroutine):
 
 
 class Transport(faust_aiokafka.Transport):
-    """faust's aiokafka transport whose consumer waits at most ``fetch_max_wait_s`` per fetch."""
+    """faust's aiokafka transport whose consumer waits at most ``fetch_max_wait_s`` per fetch and
+    fetches at least ``fetch_max_bytes`` (``kafka.max_record_bytes``) at once (aiokafka's default is
+    50 MB; faust has no setting for it)."""
 
     Consumer = Consumer
 
-    def __init__(self, url: Any, app: Any, *args: Any, fetch_max_wait_s: float, **kwargs: Any):
+    def __init__(
+        self, url: Any, app: Any, *args: Any, fetch_max_wait_s: float, fetch_max_bytes: int = 0, **kwargs: Any
+    ):
         super().__init__(url, app, *args, **kwargs)
         self.fetch_max_wait_ms = max(1, int(fetch_max_wait_s * 1000))
+        self.fetch_max_bytes = fetch_max_bytes

@@ -469,7 +469,12 @@ class Flywheel:
         self._completions: OrderedDict[uuid.UUID, str] = OrderedDict()
         self._completions_lock = threading.Lock()
         default = Redactor() if self.settings.redact else None
-        builder = EventBuilder(SDK_ID, chain(default, redactor))
+        builder = EventBuilder(
+            SDK_ID,
+            chain(default, redactor),
+            max_completion_tokens=self.settings.max_completion_tokens,
+            max_event_bytes=self.settings.max_event_bytes,
+        )
         self._sender = Sender(
             self._queue,
             builder,

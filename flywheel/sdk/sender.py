@@ -73,11 +73,25 @@ class InvalidEvent(ValueError):
 
 
 class EventBuilder:
-    """Record -> validated, redacted, serialized :class:`Envelope` (runs in the sender thread)."""
+    """Record -> validated, redacted, serialized :class:`Envelope` (runs in the sender thread).
 
-    def __init__(self, sdk: str, redactor: RedactFn | None):
+    ``max_completion_tokens`` and ``max_event_bytes`` (``None``: no limit but the contract's) are the
+    deployment's limits (:class:`~flywheel.sdk.settings.SdkSettings`): an event over one is invalid,
+    and the error names the setting, so it is refused here rather than by the gateway or ingest.
+    """
+
+    def __init__(
+        self,
+        sdk: str,
+        redactor: RedactFn | None,
+        *,
+        max_completion_tokens: int | None = None,
+        max_event_bytes: int | None = None,
+    ):
         self.sdk = sdk
         self.redactor = redactor
+        self.max_completion_tokens = max_completion_tokens
+        self.max_event_bytes = max_event_bytes
 
     def build(self, record: Record, sent_at: datetime | None = None) -> Envelope:
         """The envelope of one record; raises :class:`InvalidEvent` naming what is wrong.
@@ -89,6 +103,7 @@ class EventBuilder:
         if cls is None:
             raise InvalidEvent(f"type: unknown event type {kind!r}")
         data = expand(fields)
+        self._check_tokens(kind, data)
         _stringify_arguments(data)
         if self.redactor is not None:
             try:
@@ -109,7 +124,25 @@ class EventBuilder:
             raise InvalidEvent(_first_error(kind, err)) from None
         except (TypeError, ValueError) as err:
             raise InvalidEvent(f"{kind}: {err}") from None
-        return Envelope(event.kafka_key.encode("utf-8"), dump_event(event))
+        value = dump_event(event)
+        if self.max_event_bytes is not None and len(value) > self.max_event_bytes:
+            raise InvalidEvent(
+                f"{kind}: event is {len(value)} bytes serialized, over the limit FLYWHEEL_MAX_EVENT_BYTES "
+                f"(max_event_bytes) = {self.max_event_bytes}"
+            )
+        return Envelope(event.kafka_key.encode("utf-8"), value)
+
+    def _check_tokens(self, kind: str, data: dict[str, Any]) -> None:
+        """A completion over ``max_completion_tokens`` is invalid (checked before the costly validation)."""
+        limit = self.max_completion_tokens
+        if limit is None or kind != "completion":
+            return
+        tokens = data.get("completion_token_ids")
+        if tokens is not None and hasattr(tokens, "__len__") and len(tokens) > limit:
+            raise InvalidEvent(
+                f"completion.completion_token_ids: {len(tokens)} tokens, over the limit "
+                f"FLYWHEEL_MAX_COMPLETION_TOKENS (max_completion_tokens) = {limit}"
+            )
 
 
 def _tool_call(f: tuple[Any, ...]) -> dict[str, Any]:

@@ -8,6 +8,15 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from flywheel.core.contracts.events import MAX_TOKENS
+
+MAX_COMPLETION_TOKENS = 131_072
+"""Default of ``max_completion_tokens``: the same as the services' ``ingest.max_completion_tokens``."""
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+"""Default of ``max_event_bytes``: the same as the services' ``ingest.max_event_bytes``."""
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Default of ``max_body_bytes``: the same as the gateway's ``ingest.max_body_bytes``."""
+
 
 class SdkSettings(BaseSettings):
     """What an agent product's process configures for the SDK (read by ``Flywheel()``)."""
@@ -50,3 +59,14 @@ class SdkSettings(BaseSettings):
     """Longest wait between attempts while the transport is down (the backoff doubles from 0.5 s up to it)."""
     exit_flush_timeout_s: float = Field(5.0, ge=0, le=600)
     """How long the flush at interpreter exit waits; what is left stays in the spool for the next start."""
+    max_completion_tokens: int = Field(MAX_COMPLETION_TOKENS, ge=1, le=MAX_TOKENS)
+    """Longest completion sent, in tokens; FLYWHEEL_MAX_COMPLETION_TOKENS. A longer one is not sent: it is
+    counted as invalid and logged, naming this setting. Keep it equal to the services'
+    ``ingest.max_completion_tokens``."""
+    max_event_bytes: int = Field(MAX_EVENT_BYTES, ge=256, le=64 * 1024 * 1024)
+    """Largest event sent, serialized; FLYWHEEL_MAX_EVENT_BYTES. A larger one is not sent (counted as invalid and
+    logged, naming this setting); the Kafka transport's ``max_request_size`` follows from it. Keep it equal to the
+    services' ``ingest.max_event_bytes``."""
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, le=256 * 1024 * 1024)
+    """Largest request the HTTP transport sends; FLYWHEEL_MAX_BODY_BYTES. A batch is split into requests of at most
+    this size (the gateway's ``ingest.max_body_bytes``); an event alone is always sent."""

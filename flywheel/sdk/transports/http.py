@@ -13,6 +13,11 @@ answers and what the SDK does with them:
   key is fixed, so the next attempt waits :data:`AUTH_RETRY_S`.
 - 413: the batch is split in halves, each sent on its own; a single event that is still
   too large is rejected.
+
+A batch is first cut into requests of at most ``max_body_bytes`` (the gateway's
+``ingest.max_body_bytes``; ``FLYWHEEL_MAX_BODY_BYTES``), sent in order, so a few large
+events (a 128 k-token completion with logprobs is megabytes) never make one oversized
+request; an event larger than that alone is sent alone.
 - 400: the gateway could not read the body; the batch is rejected (it would never pass).
 - 429, 5xx, timeouts and connection errors: retried later (``Retry-After`` honoured).
 """
@@ -35,6 +40,9 @@ TIMEOUT_S = 10.0
 """Timeout of one request (connect, read and write each)."""
 AUTH_RETRY_S = 60.0
 """Wait before retrying after the gateway refused the write key."""
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Default largest request body (the gateway's default ``ingest.max_body_bytes``)."""
+BODY_FRAME_BYTES = len(b'{"events":[]}')
 
 
 class AuthError(PermissionError):
@@ -53,8 +61,10 @@ class HttpTransport(Transport):
         *,
         timeout_s: float = TIMEOUT_S,
         client: httpx.Client | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ):
         self.url = gateway_url.rstrip("/") + EVENTS_PATH
+        self.max_body_bytes = max_body_bytes
         self._client = client or httpx.Client(timeout=timeout_s)
         self._headers = {
             "Authorization": f"Bearer {write_key}",
@@ -63,8 +73,17 @@ class HttpTransport(Transport):
         }
 
     def send(self, batch: Sequence[Envelope]) -> SendResult:
-        """Post ``batch``; split it on 413; never raises for a network or server failure."""
-        return self._post(batch, offset=0)
+        """Post ``batch`` in requests of at most ``max_body_bytes``, in order; split a request on 413;
+        never raises for a network or server failure."""
+        done = SendResult()
+        for start, end in body_slices(batch, self.max_body_bytes):
+            part = self._post(batch[start:end], offset=start)
+            done.sent += part.sent
+            done.rejected += part.rejected
+            if not part.ok:
+                part.sent, part.rejected = done.sent, done.rejected
+                return part
+        return done
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the connection pool."""
@@ -117,6 +136,22 @@ class HttpTransport(Transport):
             retry_after_s=second.retry_after_s,
             needs_operator=second.needs_operator,
         )
+
+
+def body_slices(batch: Sequence[Envelope], max_body_bytes: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of consecutive slices of ``batch`` whose request bodies stay within
+    ``max_body_bytes``; an event too large for any body is a slice alone."""
+    slices: list[tuple[int, int]] = []
+    start, size = 0, BODY_FRAME_BYTES
+    for index, envelope in enumerate(batch):
+        grown = size + len(envelope.value) + (1 if index > start else 0)
+        if index > start and grown > max_body_bytes:
+            slices.append((start, index))
+            start, grown = index, BODY_FRAME_BYTES + len(envelope.value)
+        size = grown
+    if start < len(batch):
+        slices.append((start, len(batch)))
+    return slices
 
 
 def _partial(batch: Sequence[Envelope], offset: int, answer: dict[str, Any]) -> SendResult:

@@ -34,8 +34,12 @@ CONNECT_TIMEOUT_S = 2.0
 """How long creating a producer waits for the broker before the attempt counts as failed."""
 REQUEST_TIMEOUT_S = 5.0
 """Timeout of one produce request."""
-MAX_REQUEST_BYTES = 1_048_576
-"""Largest produce request (Kafka's default ``message.max.bytes``); a bigger event is rejected."""
+RECORD_OVERHEAD_BYTES = 64 * 1024
+"""Room for a record's key and framing above its value (the services' ``kafka.RECORD_OVERHEAD_BYTES``)."""
+MAX_REQUEST_BYTES = 16 * 1024 * 1024 + RECORD_OVERHEAD_BYTES
+"""Default largest record (``max_request_size``): ``FLYWHEEL_MAX_EVENT_BYTES``'s default plus the overhead.
+:func:`~flywheel.sdk.transports.make_transport` derives it from the configured ``max_event_bytes``;
+a larger record is rejected by the producer (``MessageSizeTooLargeError``), and the event counted invalid."""
 
 
 class NoBrokerConfigured(TransportUnavailable):
@@ -57,8 +61,10 @@ class KafkaTransport(Transport):
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         client_id: str = "flywheel-sdk",
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ):
         self._bootstrap = bootstrap
+        self.max_request_bytes = max_request_bytes
         self.topic = topic
         self._linger_ms = linger_ms
         self._compression = compression
@@ -153,7 +159,7 @@ class KafkaTransport(Transport):
                 compression_type=self._compression,
                 linger_ms=self._linger_ms,
                 batch_size=256 * 1024,
-                max_request_size=MAX_REQUEST_BYTES,
+                max_request_size=self.max_request_bytes,
                 partitioner=_memo_partitioner(),
                 request_timeout_ms=request_ms,
                 delivery_timeout_ms=int(self.delivery_timeout_s * 1000),
@@ -240,4 +246,5 @@ def _is_permanent(err: BaseException | None) -> bool:
 
 def _rejection(index: int, envelope: Envelope, err: BaseException | None) -> Rejection:
     size = len(envelope.key) + len(envelope.value)
-    return Rejection(index=index, event_id=None, field="", reason=f"refused by Kafka ({size} bytes): {err!r}")
+    reason = f"refused by Kafka ({size} bytes; FLYWHEEL_MAX_EVENT_BYTES sets the producer's limit): {err!r}"
+    return Rejection(index=index, event_id=None, field="", reason=reason)
