@@ -5,7 +5,8 @@ ids, one behaviour logprob per completion token). The loss mask covers the compl
 tokens only: they are the model's own output, so all are 1 for a trainable span role and
 0 otherwise. Tool results and user text never appear in a completion (they are part of
 later prompts), so they are never trained. A completion without token ids or logprobs is
-skipped and counted by reason.
+skipped and counted by reason. The completion's sampling parameters travel with it: its
+logprobs are log-probabilities under the distribution they define.
 
 A row is a :class:`flywheel.core.contracts.samples.ScoredSample`, the shape the trainer reads;
 it is built with ``model_construct`` (no validation): every field comes from an already
@@ -84,6 +85,7 @@ def build_samples(
                     "completion": composite.per_completion_terms.get(cid, {}),
                     "span_id": completion.span.span_id,
                 },
+                sampling=completion.sampling,
             )
         )
     return rows, skipped

@@ -69,7 +69,7 @@ REWARD_TYPES = ["int8", "varchar", "varchar", "int4", "float8", "jsonb", "jsonb"
 COPY_SAMPLES = (
     "COPY training_samples (project, session_id, completion_id, reward_id, reward_version, policy_version, "
     "group_key, task, agent_role, prompt_token_ids, completion_token_ids, loss_mask, behaviour_logprobs, reward, "
-    "components) FROM STDIN (FORMAT BINARY)"
+    "components, sampling) FROM STDIN (FORMAT BINARY)"
 )
 SAMPLE_TYPES = [
     "varchar",
@@ -86,6 +86,7 @@ SAMPLE_TYPES = [
     "int2[]",
     "float8[]",
     "float8",
+    "jsonb",
     "jsonb",
 ]
 
@@ -252,6 +253,7 @@ class RewardStore:
                                 x.behaviour_logprobs,
                                 x.reward,
                                 Jsonb(x.components, json_bytes),
+                                Jsonb(x.sampling.model_dump(mode="json", exclude_defaults=True), json_bytes),
                             )
                         )
         return ids

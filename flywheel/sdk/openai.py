@@ -128,26 +128,90 @@ def request_fields(kind: Kind, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _number(low: float, high: float, *, low_open: bool = False) -> Any:
+    def check(v: Any) -> bool:
+        return isinstance(v, (int, float)) and (low < v if low_open else low <= v) and v <= high
+
+    return check
+
+
+SAMPLING_CHECKS: dict[str, Any] = {
+    "temperature": _number(0, 10),
+    "top_p": _number(0, 1, low_open=True),
+    "top_k": lambda v: isinstance(v, int) and v >= -1,
+    "min_p": _number(0, 1),
+    "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2),
+    "repetition_penalty": _number(0, 100, low_open=True),
+    "min_tokens": lambda v: isinstance(v, int) and 0 <= v <= 65_536,
+    "max_tokens": lambda v: isinstance(v, int) and 1 <= v <= 65_536,
+    "seed": lambda v: isinstance(v, int),
+}
+"""Sampling parameters recorded as numbers, with the contract's ranges (a value outside is left out)."""
+
+CONSTRAINT_OPTIONS = {
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "structured_outputs": "structured_outputs",
+    "guided_json": "structured_outputs",
+    "guided_regex": "structured_outputs",
+    "guided_choice": "structured_outputs",
+    "guided_grammar": "structured_outputs",
+    "use_beam_search": "beam_search",
+    "thinking_token_budget": "thinking_token_budget",
+    "logits_processors": "logits_processors",
+}
+"""Request options (top level or ``extra_body``) that restrict which tokens may be sampled, to the name recorded."""
+
+
 def sampling_params(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling parameters of a request, those within the contract's ranges (others are left out)."""
+    """The sampling parameters of a request: whatever shapes the distribution its tokens were sampled from.
+
+    Standard OpenAI options are read from the call's keyword arguments, vLLM's own (``top_k``,
+    ``min_p``, ``repetition_penalty``, ``min_tokens``, ...) from ``extra_body`` (which the client
+    merges into the request, so it wins there too). Numbers outside the contract's ranges are left
+    out rather than losing the completion. Options that restrict the sampled tokens in ways the
+    trainer cannot reproduce (allowed tokens, bad words, structured outputs, a JSON response format,
+    a forced tool choice, beam search, ...) are listed by name in ``constraints``; an invalid
+    ``logit_bias`` is listed there too, so the record never looks less constrained than the request was.
+    """
     extra = kwargs.get("extra_body") if isinstance(kwargs.get("extra_body"), Mapping) else {}
-    candidates = {
-        "temperature": kwargs.get("temperature"),
-        "top_p": kwargs.get("top_p"),
-        "top_k": extra.get("top_k") if extra else None,
-        "max_tokens": kwargs.get("max_tokens")
-        if _given(kwargs.get("max_tokens"))
-        else kwargs.get("max_completion_tokens"),
-        "seed": kwargs.get("seed"),
-    }
-    checks = {
-        "temperature": lambda v: isinstance(v, (int, float)) and 0 <= v <= 10,
-        "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
-        "top_k": lambda v: isinstance(v, int) and v >= -1,
-        "max_tokens": lambda v: isinstance(v, int) and 1 <= v <= 65_536,
-        "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    }
-    params = {k: v for k, v in candidates.items() if _given(v) and not isinstance(v, bool) and checks[k](v)}
+
+    def given(key: str) -> Any:
+        value = extra.get(key) if extra and _given(extra.get(key)) else kwargs.get(key)
+        return value if _given(value) else None
+
+    params: dict[str, Any] = {}
+    for key, check in SAMPLING_CHECKS.items():
+        value = given(key)
+        if key == "max_tokens" and value is None:
+            value = given("max_completion_tokens")
+        if value is not None and not isinstance(value, bool) and check(value):
+            params[key] = value
+    constraints: list[str] = []
+    bias = given("logit_bias")
+    if isinstance(bias, Mapping) and bias:
+        try:
+            cleaned = {str(int(k)): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            cleaned = None
+        if cleaned is not None and len(cleaned) <= 4096 and all(-100 <= v <= 100 for v in cleaned.values()):
+            params["logit_bias"] = cleaned
+        else:
+            constraints.append("logit_bias")
+    for option, name in CONSTRAINT_OPTIONS.items():
+        value = given(option)
+        if value is not None and value is not False and value != [] and name not in constraints:
+            constraints.append(name)
+    response_format = given("response_format")
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else response_format
+    if response_format is not None and kind != "text":
+        constraints.append("response_format")
+    tool_choice = given("tool_choice")
+    if tool_choice == "required" or isinstance(tool_choice, Mapping):
+        constraints.append("tool_choice")
+    if constraints:
+        params["constraints"] = constraints
     stop = kwargs.get("stop")
     if isinstance(stop, str):
         params["stop"] = [stop]

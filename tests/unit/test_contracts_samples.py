@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
+from flywheel.core.contracts.events import SamplingParams
 from flywheel.core.contracts.samples import ScoredReward, ScoredSample, StoredSample
 from flywheel.core.db.models import TrainingSample
 from flywheel.core.settings import RewardingSettings
@@ -21,6 +22,7 @@ from trainer.select import SampleError, validate
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 ROW_IDENTITY = {"id", "project", "session_id", "reward_id", "reward_version", "created_at"}
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, max_tokens=16)
 
 
 def no_judge() -> str:
@@ -30,7 +32,8 @@ def no_judge() -> str:
 def scored_session():
     b = SessionBuilder(at=T0)
     b.start(task="arith", group_key="problem-7")
-    b.completion(role="agent", completion_ids=[5, 6, 7], logprobs=[-1.0, -0.5, -0.1])
+    agent = b.completion(role="agent", completion_ids=[5, 6, 7], logprobs=[-1.0, -0.5, -0.1])
+    b.events[b.events.index(agent)] = agent.model_copy(update={"sampling": SAMPLING})
     b.completion(role="critic", completion_ids=[8], logprobs=[-0.2])
     b.outcome("task_solved", True)
     b.end()
@@ -47,6 +50,17 @@ def test_rewarding_samples_are_the_contract_and_survive_the_topic():
     back = ScoredReward.model_validate_json(record.model_dump_json())
     assert back == record and back.samples == scored.samples
     assert back.samples[0].loss_mask == [1, 1, 1] and back.samples[1].loss_mask == [0]
+    assert back.samples[0].sampling == SAMPLING and back.samples[1].sampling == SamplingParams()
+    assert back.schema_version == 2
+
+
+def test_a_version_1_record_still_reads_with_nothing_recorded():
+    record = scored_record(scored_session(), reward_id=10, version=1, reason="finalized", at=T0)
+    old = record.model_dump(mode="json", exclude={"samples": {"__all__": {"sampling"}}}) | {"schema_version": 1}
+    back = ScoredReward.model_validate(old)
+    assert back.schema_version == 1 and all(s.sampling == SamplingParams() for s in back.samples)
+    with pytest.raises(ValidationError, match="schema_version"):
+        ScoredReward.model_validate(old | {"schema_version": 3})
 
 
 def test_the_table_and_the_store_hold_exactly_the_contract_fields():
@@ -82,6 +96,10 @@ def stored_row(**overrides) -> TrainingSample:
 
 
 def test_a_stored_row_parses_for_the_trainer():
+    assert StoredSample.from_row(stored_row()).sampling == SamplingParams()  # an ORM object without the column set
+    assert StoredSample.from_row(stored_row(sampling={})).sampling == SamplingParams()  # a row from before 0006
+    recorded = StoredSample.from_row(stored_row(sampling=SAMPLING.model_dump(mode="json", exclude_defaults=True)))
+    assert recorded.sampling == SAMPLING
     sample = StoredSample.from_row(stored_row())
     assert sample.episode == "demo/sess-1" and sample.reward_version == 2 and sample.reward == 1.5
     assert sample.completion_token_ids == [5, 6, 7] and sample.behaviour_logprobs == [-1.0, -0.5, -0.1]

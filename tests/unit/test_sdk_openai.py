@@ -33,6 +33,7 @@ from flywheel.sdk.openai import (
     parse_text_completion,
     prepare_request,
     request_fields,
+    sampling_params,
     wrap,
 )
 from flywheel.sdk.transports.memory import MemoryTransport
@@ -185,6 +186,44 @@ def test_request_fields_normalize_messages_and_sampling() -> None:
     assert fields["sampling"] == {"temperature": 0.7, "max_tokens": 64, "seed": 3, "top_k": 20, "stop": ["\n"]}
     assert request_fields("text", {"model": "m", "prompt": "2+2="})["prompt_text"] == "2+2="
     assert normalize_message("not a message") is None
+
+
+def test_sampling_records_what_shapes_the_distribution() -> None:
+    from flywheel.core.contracts.events import SamplingParams
+
+    fields = sampling_params(
+        {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "presence_penalty": 0.5,
+            "frequency_penalty": openai.NOT_GIVEN,
+            "logit_bias": {12: 5},
+            "response_format": {"type": "json_object"},
+            "tool_choice": "auto",
+            "extra_body": {
+                "top_k": 50,
+                "min_p": 0.05,
+                "repetition_penalty": 1.1,
+                "min_tokens": 2,
+                "guided_regex": "a+",
+            },
+        }
+    )
+    assert fields == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 50,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.1,
+        "min_tokens": 2,
+        "logit_bias": {"12": 5.0},
+        "constraints": ["structured_outputs", "response_format"],
+    }
+    SamplingParams.model_validate(fields)  # the contract takes what the SDK records
+    forced = sampling_params({"tool_choice": {"type": "function", "function": {"name": "f"}}, "logit_bias": {"x": 1}})
+    assert forced == {"constraints": ["logit_bias", "tool_choice"]}  # an unreadable bias still marks the sample
+    assert sampling_params({"response_format": {"type": "text"}, "extra_body": {"bad_words": []}}) == {}
 
 
 def test_policy_versions_become_valid_names() -> None:

@@ -11,6 +11,9 @@ Schema history:
       process that does not know the session). Every record valid before is still valid;
       a reader built before the change refuses such a record (it cannot misread it), and
       ingest re-produces it with ``session_id`` filled, which every reader understands.
+      Additive change within 1: a completion's ``sampling`` may carry ``min_p``, the penalties,
+      ``logit_bias``, ``min_tokens`` and ``constraints`` (what else shaped the sampled
+      distribution); a reader built before refuses such a record rather than misread it.
 """
 
 from __future__ import annotations
@@ -243,11 +246,41 @@ class Turn(EventBase):
 
 
 class SamplingParams(_Model):
-    """The sampling parameters of a completion request."""
+    """The sampling parameters of a completion request: everything that shapes the distribution it sampled from.
+
+    ``None`` means the request left the parameter unset, so the server's default applied
+    (replicas run with ``--generation-config vllm``: temperature 1, no truncation, no penalty).
+    The trainer reproduces temperature, ``top_k``, ``top_p`` and ``min_p`` exactly (vLLM's
+    order: temperature, min-p, top-k, top-p); a completion with a penalty, a logit bias,
+    ``min_tokens`` or any of ``constraints`` is not trained (see docs/trainer.md).
+    """
 
     temperature: float | None = Field(None, ge=0, le=10)
+    """Softmax temperature; below 1e-5 the server samples greedily."""
     top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus: the smallest set of most likely tokens whose probability reaches ``top_p``."""
     top_k: int | None = Field(None, ge=-1)
+    """The ``top_k`` most likely tokens only (0 or -1: no limit)."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    """Tokens less likely than ``min_p`` times the most likely one are dropped (vLLM)."""
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    """Subtracted from the logit of every token already generated."""
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    """Divides positive (multiplies negative) logits of tokens seen in the prompt or output (vLLM; 1 is none)."""
+    logit_bias: Annotated[
+        dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100, le=100)]],
+        Field(max_length=4096),
+    ] = Field(default_factory=dict)
+    """Token id (as text) to the bias added to its logit."""
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    """End-of-sequence and stop tokens are impossible before this many tokens (vLLM)."""
+    constraints: Annotated[list[Annotated[str, StringConstraints(max_length=64)]], Field(max_length=16)] = Field(
+        default_factory=list
+    )
+    """Other request options that restricted which tokens could be sampled, by name (``allowed_token_ids``,
+    ``bad_words``, ``structured_outputs``, ``response_format``, ``tool_choice``, ``beam_search``, ...)."""
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     seed: int | None = None
     stop: Annotated[list[Annotated[str, StringConstraints(max_length=256)]], Field(max_length=16)] = Field(

@@ -15,6 +15,10 @@ same completions; readers keep the newest version per completion, never both.
 
 Schema history (``ScoredReward.schema_version``; the table's shape changes only through a migration):
   1 — initial version.
+  2 — each sample carries ``sampling``: the completion's sampling parameters (the distribution its
+      behaviour logprobs refer to). A version-1 record still reads: its samples get the default
+      (nothing recorded). Column ``training_samples.sampling`` since migration 0006 (rows written
+      before hold ``{}``).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ import uuid
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-SCORED_SCHEMA_VERSION = 1
+from flywheel.core.contracts.events import SamplingParams
+
+SCORED_SCHEMA_VERSION = 2
 """The ``rewards.scored`` schema version this code writes."""
+SUPPORTED_SCORED_SCHEMA_VERSIONS = frozenset({1, 2})
+"""``rewards.scored`` schema versions this code reads."""
 
 
 class ScoredSample(BaseModel):
@@ -60,6 +68,15 @@ class ScoredSample(BaseModel):
     """The sample's reward: the session reward plus the completion's own terms."""
     components: dict[str, Any]
     """The reward explained: ``session_reward``, ``session`` (weighted terms), ``completion`` (its own), ``span_id``."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """The completion's sampling parameters: ``behaviour_logprobs`` are log-probabilities under the distribution
+    they define (vLLM's processed logprobs). All unset (the default, and rows written before it was recorded)
+    means the server's defaults; the trainer then assumes ``trainer.step.sampling_temperature``."""
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _none_is_unrecorded(cls, value: Any) -> Any:
+        return {} if value is None else value
 
 
 class StoredSample(ScoredSample):
@@ -99,7 +116,7 @@ class ScoredReward(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: Literal[1] = SCORED_SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCORED_SCHEMA_VERSION
     """Version of this schema; readers refuse versions they do not know."""
     project: str
     """The agent product."""

@@ -220,6 +220,8 @@ class TrainingSample(Base):
     behaviour_logprobs: Mapped[list[float]] = mapped_column(ARRAY(Float))
     reward: Mapped[float] = mapped_column(Float)
     components: Mapped[dict[str, Any]]
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    """The completion's sampling parameters (``SamplingParams``): the distribution of ``behaviour_logprobs``."""
     created_at: Mapped[datetime] = _now()
 
     __table_args__ = (
