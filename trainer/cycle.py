@@ -37,8 +37,7 @@ from flywheel.core.db.models import TrainingCycle
 from flywheel.core.endpoints import postgres_url
 from flywheel.core.settings import Settings, get_settings
 from flywheel.core.settings.trainer import TrainerSettings
-from flywheel.model.build import build_key, is_complete
-from flywheel.model.register import register_base
+from flywheel.model.register import register_base_model
 from trainer import ckpt, distributed, gate, registry, select
 from trainer.advantages import AdvantageResult, AdvInput, BaselineState, compute_advantages
 from trainer.ckpt import PolicyRef
@@ -72,10 +71,6 @@ class SkipCycle(Exception):
         super().__init__(reason)
         self.reason = reason
         self.metrics = metrics or {}
-
-
-class BaseModelMissing(RuntimeError):
-    """The base model is not built (not recoverable by retrying: run ``flywheel model build``)."""
 
 
 @dataclass
@@ -134,7 +129,7 @@ def _run_locked(session: Session, key: str, trigger: str, settings: Settings) ->
         return CycleOutcome(cycle_id, "skipped", reason)
     cycle_id = registry.insert_cycle(session, key, trigger, "running", metrics={"phase": "select"})
     try:
-        base_id = register_base(session, base_model_dir(settings))
+        base_id = register_base_model(session, settings.model)
         removed = ckpt.sweep(Path(t.checkpoints.dir), set(registry.lineage(session)))
         if removed:
             log.warning("removed incomplete or unregistered checkpoint folders: %s", [p.name for p in removed])
@@ -292,14 +287,6 @@ def _train(
 
 
 # --------------------------------------------------------------------------- pieces
-
-
-def base_model_dir(settings: Settings) -> Path:
-    """The built base model's folder (raises :class:`BaseModelMissing` when it is not built)."""
-    folder = Path(settings.model.cache_dir).resolve() / build_key(settings.model)
-    if not is_complete(folder):
-        raise BaseModelMissing(f"base model not built at {folder}; run `flywheel model build`")
-    return folder
 
 
 def parent_checkpoint_id(session: Session, t: TrainerSettings, base_id: str) -> str:

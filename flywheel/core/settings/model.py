@@ -8,10 +8,19 @@ from pydantic import BaseModel, Field, model_validator
 
 
 class ModelSettings(BaseModel):
-    """The small Llama-architecture base model built offline by ``flywheel model build``."""
+    """The base model: a local Hugging Face causal-LM folder, or the project's own build.
 
+    With ``path`` unset the base model is the small Llama built offline by ``flywheel model
+    build`` (the other fields below size that build). With ``path`` set, that folder is the
+    base model (see docs/model.md); the build fields are then unused.
+    """
+
+    path: Path | None = None
+    """The base model's folder (config.json, safetensors weights, tokenizer); None: the project's built model."""
+    completion_only: bool = False
+    """The base model has no chat template and is used through completions only (no chat requests)."""
     cache_dir: Path = Path(".flywheel/models")
-    """Where built models are cached, one folder per build key."""
+    """Where built models are cached, one folder per build key (and the model checks' cache)."""
     seed: int = Field(0, ge=0)
     """Seed of the corpus, tokenizer, initialisation and pre-training."""
     hidden_size: int = Field(128, ge=64, le=4096)
