@@ -41,6 +41,7 @@ MAX_TOOL_DIGITS = 6
 
 _TOOL_CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(" + re.escape(TOOL_CLOSE) + r"|$)", re.DOTALL)
 _EXPR_RE = re.compile(rf"\s*(-?\d{{1,{MAX_TOOL_DIGITS}}})\s*([+\-*])\s*(-?\d{{1,{MAX_TOOL_DIGITS}}})\s*")
+_QUESTION_RE = re.compile(r"What is\s*(-?\d{1,6})\s*([+\-*])\s*(-?\d{1,6})\s*\?")
 _ANSWER_RE = re.compile(r"\s*answer:\s*(-?\d{1,12})\s*", re.IGNORECASE)
 
 
@@ -213,6 +214,15 @@ def sample_problems(split: Split, n: int, seed: int = 0) -> list[Problem]:
     return random.Random(f"{TASK_VERSION}:{split}:{seed}").sample(pool, n)
 
 
+def problem_from_text(text: str) -> Problem | None:
+    """The problem a user message asks (``What is 37*48?``), or None when it asks none."""
+    match = _QUESTION_RE.search(text)
+    if match is None:
+        return None
+    a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+    return Problem(a, op, b)  # type: ignore[arg-type]
+
+
 def problem_from_id(problem_id: str) -> Problem:
     """The problem that :attr:`Problem.id` names (inverse of ``Problem.id``)."""
     prefix, _, expr = problem_id.partition(":")
@@ -280,11 +290,20 @@ def is_success(problem: Problem, final_text: str | None) -> bool:
 # --------------------------------------------------------------------------- episodes
 
 
-def start_episode(problem: Problem, max_turns: int = DEFAULT_MAX_TURNS) -> Episode:
-    """A new episode holding the opening messages, before any model turn."""
+def start_episode(
+    problem: Problem, max_turns: int = DEFAULT_MAX_TURNS, messages: Sequence[Message] | None = None
+) -> Episode:
+    """A new episode holding the opening messages, before any model turn.
+
+    ``messages`` replaces the rendered opening (:func:`render_messages`) with one as recorded,
+    e.g. a production session's system and user messages that the replay suite re-runs.
+    """
     if max_turns < 1:
         raise ValueError("max_turns must be >= 1")
-    return Episode(problem=problem, messages=render_messages(problem), max_turns=max_turns)
+    opening = [dict(m) for m in messages] if messages is not None else render_messages(problem)
+    if not opening:
+        raise ValueError("an episode needs at least one opening message")
+    return Episode(problem=problem, messages=opening, max_turns=max_turns)
 
 
 def advance_episode(episode: Episode, completion: str) -> Episode:
@@ -309,9 +328,17 @@ def advance_episode(episode: Episode, completion: str) -> Episode:
     return episode
 
 
-def run_episode(problem: Problem, generate: Generate, max_turns: int = DEFAULT_MAX_TURNS) -> Episode:
-    """Run one episode; ``generate(messages) -> str`` is any chat backend."""
-    episode = start_episode(problem, max_turns)
+def run_episode(
+    problem: Problem,
+    generate: Generate,
+    max_turns: int = DEFAULT_MAX_TURNS,
+    messages: Sequence[Message] | None = None,
+) -> Episode:
+    """Run one episode; ``generate(messages) -> str`` is any chat backend.
+
+    ``messages``: the opening messages (default: :func:`render_messages` of ``problem``).
+    """
+    episode = start_episode(problem, max_turns, messages)
     while not episode.done:
         advance_episode(episode, generate([dict(m) for m in episode.messages]))
     return episode
