@@ -240,7 +240,8 @@ print(fw.stats.sent)  # nothing flushed, no close()
 
 def test_an_event_too_large_for_kafka_is_counted_invalid_and_the_rest_delivered(tansu: Tansu, tmp_path: Path) -> None:
     tansu.start()
-    fw = Flywheel(project="sdk-big", kafka_bootstrap=tansu.bootstrap, spool_dir=tmp_path / "spool", redact=False)
+    fw = Flywheel(project="sdk-big", kafka_bootstrap=tansu.bootstrap, spool_dir=tmp_path / "spool", redact=False,
+                  max_event_bytes=1_048_576)  # fmt: skip
     try:
         with fw.session("big-1") as s:
             s.message("user", "before")
