@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit lint up down status model bench-% lock clean help
+.PHONY: setup demo test test-unit lint up down status model bench-byo bench-% lock clean help
 
 help:
 	@echo "make demo   - set up, start the local stack, run the main job, shut down"
@@ -18,6 +18,7 @@ help:
 	@echo "make lint   - the layer contracts (lint-imports), ruff check and ruff format --check"
 	@echo "make up / make down / make status - the local stack alone"
 	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
+	@echo "make bench-byo MODEL=PATH - the real loop on any causal-LM folder (bench/byo.py)"
 
 setup: $(STAMP)
 
@@ -64,6 +65,11 @@ test-unit: setup
 bench-train: setup
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/bench.txt
 	$(PY) bench/train.py
+
+# The real loop on any causal-LM folder: make bench-byo MODEL=PATH (BYO_ARGS="--mode lora" for LoRA).
+bench-byo: setup
+	@test -n "$(MODEL)" || { echo "error: name the model folder: make bench-byo MODEL=PATH"; exit 2; }
+	$(PY) bench/byo.py "$(MODEL)" $(BYO_ARGS)
 
 bench-%: setup
 	$(PY) bench/$*.py

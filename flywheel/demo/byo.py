@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import torch
     from sqlalchemy.engine import Engine
 
+    from flywheel.core.settings.trainer import TrainerSettings
+
 log = logging.getLogger("flywheel.demo.byo")
 
 TRUTH_TOLERANCE = 1e-3
@@ -411,27 +413,66 @@ def _sampling_recorded(engine: Engine) -> bool:
             return False
 
 
-def step0_truth(engine: Engine, cycles: Iterable[CountedCycle], per_version: int) -> dict[str, Any]:
-    """The trainer's log-probs at step 0 (the parent's weights, as the trainer loads and processes them) against
-    the behaviour logprobs, over every trained token of the base policy's samples of each cycle trained from the base.
-    """
-    from trainer import truth
+def step0_truth(
+    engine: Engine, cycles: Iterable[CountedCycle], per_version: int, trainer: TrainerSettings | None = None
+) -> dict[str, Any]:
+    """The trainer's log-probs at step 0 against the behaviour logprobs serving recorded.
 
+    For each cycle: the samples of its batch that its parent policy produced (their recorded
+    policy version is the parent's), and the parent loaded as that cycle's trainer loads it
+    before its first optimizer step (``trainer.ckpt.load_trainable`` in ``trainer.mode``: full
+    weights, or a fresh LoRA adapter over them), through :func:`trainer.truth.check_logprobs`
+    (the training step's packing, log-prob module and each sample's temperature / top-k /
+    top-p). Returns the largest ``|log ratio|`` over every token checked.
+    """
+    from flywheel.core.settings.trainer import TrainerSettings
+    from trainer import ckpt, truth
+
+    t = trainer or TrainerSettings()
     worst = 0.0
     tokens = 0
     checked = 0
+    excluded: dict[str, int] = {}
     for c in cycles:
-        rows = _cycle_sample_ids(engine, c.cycle_id)
-        if c.parent_id is None or not rows:
+        ids = _cycle_sample_ids(engine, c.cycle_id)
+        parent = _checkpoint_row(engine, c.parent_id) if c.parent_id else None
+        if parent is None or not ids:
             continue
-        samples = logged_samples(engine, c.parent_id, per_version, ids=rows)
+        samples = logged_samples(engine, parent["policy_version"], per_version, ids=ids)
         if not samples:
             continue
-        result = truth.parent_truth(engine, c.parent_id, [s.id for s in samples])
-        worst = max(worst, float(result["max_abs_log_ratio"]))
-        tokens += int(result.get("tokens", 0))
+        ref = ckpt.PolicyRef(parent["id"], parent["policy_version"], parent["path"], parent["format"],
+                             parent["base_model"] or parent["path"])  # fmt: skip
+        model, tokenizer, _ = ckpt.load_trainable(ref, t.mode, t.lora, t.step.seed)
+        report = truth.check_logprobs(
+            model,
+            [
+                truth.TruthSample(s.prompt_token_ids, s.completion_token_ids, s.behaviour_logprobs, s.sampling or None)
+                for s in samples
+            ],  # fmt: skip
+            default_temperature=t.step.sampling_temperature,
+            pad_id=tokenizer.pad_token_id or 0,
+        )
+        del model
+        for reason, n in report.excluded.items():
+            excluded[reason] = excluded.get(reason, 0) + n
+        worst = max(worst, report.max_abs_log_ratio)
+        tokens += report.tokens
         checked += 1
-    return {"max_abs_log_ratio": worst if checked else None, "tokens": tokens, "cycles": checked}
+    return {"max_abs_log_ratio": worst if tokens else None, "tokens": tokens, "cycles": checked, "excluded": excluded}
+
+
+def _checkpoint_row(engine: Engine, checkpoint_id: str) -> dict[str, Any] | None:
+    with engine.connect() as conn:
+        row = (
+            conn.execute(
+                text("SELECT id, policy_version, path, format, base_model FROM checkpoints WHERE id = :id"),
+                {"id": checkpoint_id},
+            )
+            .mappings()
+            .first()
+        )
+    return dict(row) if row else None
 
 
 def _cycle_sample_ids(engine: Engine, cycle_id: int) -> list[int]:
