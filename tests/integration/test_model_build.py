@@ -12,6 +12,7 @@ import pytest
 
 from flywheel.core.settings import ModelSettings, get_settings
 from flywheel.model import build as builder
+from flywheel.model.check import check_model
 from flywheel.model.eval import heldout_success, load_policy
 from flywheel.task import arith
 
@@ -82,7 +83,8 @@ def test_chat_template_and_digits(model_dir: Path) -> None:
 def test_sidecar_success_in_range_and_reproducible(model_dir: Path) -> None:
     sidecar = builder.read_sidecar(model_dir)
     assert sidecar.build_key == model_dir.name
-    assert sidecar.policy_version == f"base-{model_dir.name[:8]}"
+    # the content hash's version, as every base model is named (flywheel.model.check)
+    assert sidecar.policy_version == check_model(model_dir, cache_dir=model_dir.parent).policy_version
     assert sidecar.param_count > 100_000
     assert sidecar.pretrain.final_loss is not None and sidecar.pretrain.final_loss < 1.0
     held = sidecar.heldout
@@ -158,3 +160,6 @@ def test_build_key_depends_on_settings_not_on_cache_dir(settings: ModelSettings,
     moved = settings.model_copy(update={"cache_dir": tmp_path})
     assert builder.build_key(moved) == builder.build_key(settings)
     assert builder.build_key(settings.model_copy(update={"seed": settings.seed + 1})) != builder.build_key(settings)
+    # choosing another base model does not change what the project's build is
+    chosen = settings.model_copy(update={"path": tmp_path, "completion_only": True})
+    assert builder.build_key(chosen) == builder.build_key(settings)
