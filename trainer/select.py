@@ -12,8 +12,13 @@ The rules, applied in this order (pure functions, tested with in-memory rows):
    (active deployments; with none, the base model's) or an ancestor of one within
    ``max_policy_lag`` checkpoints along the lineage.
 4. **Trainable roles**: rows of other roles (frozen sub-agents) are dropped.
-5. **Cap**: at most ``max_samples``, the newest kept.
-6. **Minimum**: fewer than ``min_samples`` left skips the cycle, with every count above.
+5. **Reproducible sampling**: the trainer computes each token's log-prob under the distribution
+   the completion was sampled from (temperature, min-p, top-k, top-p: see docs/trainer.md), so
+   rows it cannot reproduce are dropped and counted by reason (:func:`sampling_exclusion`):
+   greedy (temperature below 1e-5: the behaviour policy was deterministic), a penalty, a logit
+   bias, ``min_tokens``, another constraint, or an unreadable ``sampling`` record.
+6. **Cap**: at most ``max_samples``, the newest kept.
+7. **Minimum**: fewer than ``min_samples`` left skips the cycle, with every count above.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from sqlalchemy import select
 
+from flywheel.core.contracts.events import SamplingParams
 from flywheel.core.contracts.samples import StoredSample
 from flywheel.core.db.models import TrainingSample as T
 
@@ -55,6 +62,14 @@ class SampleMeta:
     policy_version: str
     agent_role: str
     created_at: datetime
+    sampling: Mapping[str, Any] | SamplingParams | None = None
+    """The row's ``sampling`` record (None or empty: nothing recorded, the assumed temperature applies)."""
+
+
+GREEDY_BELOW = 1e-5
+"""vLLM samples greedily below this temperature (``_SAMPLING_EPS``)."""
+EXCLUSION_REASONS = ("greedy", "penalty", "logit_bias", "min_tokens", "constrained", "invalid_sampling")
+"""Why a row's sampling cannot be reproduced by the trainer (``selection`` counts ``sampling_<reason>``)."""
 
 
 @dataclass(frozen=True)
@@ -100,14 +115,24 @@ def allowed_versions(
 
 
 def choose(rows: Sequence[SampleMeta], rules: SelectionRules) -> Selection:
-    """Apply rules 2-6 of the module docstring to the rows of one window."""
+    """Apply rules 2-7 of the module docstring to the rows of one window."""
     counts = {"in_window": len(rows)}
     newest = newest_reward_versions(rows)
     counts["superseded"] = len(rows) - len(newest)
     on_policy = [r for r in newest if r.policy_version in rules.allowed_versions]
     counts["off_policy"] = len(newest) - len(on_policy)
-    trainable = [r for r in on_policy if r.agent_role in rules.trainable_roles]
-    counts["frozen_role"] = len(on_policy) - len(trainable)
+    roles = [r for r in on_policy if r.agent_role in rules.trainable_roles]
+    counts["frozen_role"] = len(on_policy) - len(roles)
+    trainable = []
+    excluded: dict[str, int] = {}
+    for r in roles:
+        reason = sampling_exclusion(r.sampling)
+        if reason is None:
+            trainable.append(r)
+        else:
+            excluded[reason] = excluded.get(reason, 0) + 1
+    counts["untrainable_sampling"] = len(roles) - len(trainable)
+    counts.update((f"sampling_{reason}", n) for reason, n in sorted(excluded.items()))
     trainable.sort(key=lambda r: (r.created_at, r.id), reverse=True)
     kept = trainable[: rules.max_samples]
     counts["over_max"] = len(trainable) - len(kept)
@@ -118,6 +143,44 @@ def choose(rows: Sequence[SampleMeta], rules: SelectionRules) -> Selection:
         selection.skip_reason = f"too few samples: {len(kept)} < min_samples {rules.min_samples} ({detail})"
         selection.ids = []
     return selection
+
+
+def sampling_exclusion(sampling: Mapping[str, Any] | SamplingParams | None) -> str | None:
+    """Why the trainer cannot reproduce the distribution a row was sampled from, or None when it can.
+
+    It reproduces temperature (> 0), ``top_k``, ``top_p`` and ``min_p``. Not: greedy decoding
+    (temperature below 1e-5; the behaviour probability of every token was 1, and vLLM records
+    the plain softmax for it), presence / frequency / repetition penalties (they depend on the
+    tokens generated so far), a logit bias, ``min_tokens`` (stop tokens masked early) and the
+    request options in ``constraints`` (allowed tokens, structured outputs, ...). One of
+    :data:`EXCLUSION_REASONS`.
+    """
+    if sampling is None:
+        return None
+    if not isinstance(sampling, SamplingParams):
+        if not isinstance(sampling, Mapping):
+            return "invalid_sampling"
+        if not sampling:
+            return None
+        try:
+            sampling = SamplingParams.model_validate(sampling)
+        except ValidationError:
+            return "invalid_sampling"
+    if sampling.temperature is not None and sampling.temperature < GREEDY_BELOW:
+        return "greedy"
+    if (
+        (sampling.presence_penalty or 0.0) != 0.0
+        or (sampling.frequency_penalty or 0.0) != 0.0
+        or (sampling.repetition_penalty if sampling.repetition_penalty is not None else 1.0) != 1.0
+    ):
+        return "penalty"
+    if sampling.logit_bias:
+        return "logit_bias"
+    if sampling.min_tokens:
+        return "min_tokens"
+    if sampling.constraints:
+        return "constrained"
+    return None
 
 
 def newest_reward_versions(rows: Sequence[SampleMeta]) -> list[SampleMeta]:
@@ -149,9 +212,9 @@ def validate(sample: StoredSample) -> None:
 
 def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
     """Metadata of every ``training_samples`` row inside ``window``."""
-    query = select(T.id, T.completion_id, T.reward_version, T.policy_version, T.agent_role, T.created_at).where(
-        T.created_at <= window.end
-    )
+    query = select(
+        T.id, T.completion_id, T.reward_version, T.policy_version, T.agent_role, T.created_at, T.sampling
+    ).where(T.created_at <= window.end)
     if window.start is not None:
         query = query.where(T.created_at > window.start)
     return [SampleMeta(*row) for row in session.execute(query)]

@@ -48,6 +48,49 @@ class CycleTimeout(RuntimeError):
 
 
 @dataclass(frozen=True)
+class TokenSampling:
+    """The distribution a completion's tokens were sampled from, as the trainer reproduces it.
+
+    vLLM's processed distribution (``--logprobs-mode processed_logprobs``): logits divided by
+    ``temperature``, then min-p, top-k and top-p masks in that order, then a softmax over the
+    kept tokens. The neutral values (``top_k`` 0, ``top_p`` 1, ``min_p`` 0) mean no truncation.
+    """
+
+    temperature: float | None = None
+    """Softmax temperature (> 0); None: not recorded, ``trainer.step.sampling_temperature`` is assumed."""
+    top_k: int = 0
+    """Keep the ``top_k`` most likely tokens (ties with the k-th kept); 0: no limit."""
+    top_p: float = 1.0
+    """Keep the most likely tokens whose cumulative probability reaches ``top_p``; 1: no limit."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one; 0: none dropped."""
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy samples are not trainable), got {self.temperature}")
+        if not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1 or self.top_k < 0:
+            raise ValueError(f"sampling out of range: top_k={self.top_k}, top_p={self.top_p}, min_p={self.min_p}")
+
+    @classmethod
+    def from_params(cls, sampling: Any) -> TokenSampling:
+        """From a completion's ``SamplingParams`` (or its dict, or None: nothing recorded).
+
+        Only the parameters the trainer reproduces are read; whether the others rule the
+        sample out is :func:`trainer.select.sampling_exclusion`'s decision.
+        """
+        if sampling is None:
+            return cls()
+        get = sampling.get if isinstance(sampling, dict) else (lambda key: getattr(sampling, key, None))
+        top_k, top_p, min_p = get("top_k"), get("top_p"), get("min_p")
+        return cls(
+            temperature=get("temperature"),
+            top_k=top_k if top_k is not None and top_k > 0 else 0,
+            top_p=top_p if top_p is not None else 1.0,
+            min_p=min_p if min_p is not None else 0.0,
+        )
+
+
+@dataclass(frozen=True)
 class StepSample:
     """One sequence to train on."""
 
@@ -57,8 +100,15 @@ class StepSample:
     target_mask: list[int]
     """1 for a completion token that is trained (model-generated, trainable role)."""
     behaviour_logprobs: list[float]
+    """Log-probability of each completion token under the distribution ``sampling`` describes."""
     advantage: float
     reward: float
+    sampling: TokenSampling = TokenSampling()
+    """The distribution the completion was sampled from; the trained log-probs are under the same one."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sampling, dict):  # from a JSON batch file (dataclasses.asdict)
+            object.__setattr__(self, "sampling", TokenSampling(**self.sampling))
 
     @property
     def length(self) -> int:
@@ -98,6 +148,18 @@ class MicroBatch:
     sample_ids: list[int]
     n_tokens: int
     """Real (non-padding) tokens."""
+    temperature: torch.Tensor | None = None
+    """Per trained token: the temperature it was sampled at (float32; None: the module's own)."""
+    top_k: torch.Tensor | None = None
+    """Per trained token: top-k (0: none); None when no token of the batch has one."""
+    top_p: torch.Tensor | None = None
+    """Per trained token: top-p (float32, 1: none); None when no token of the batch has one."""
+    min_p: torch.Tensor | None = None
+    """Per trained token: min-p (float32, 0: none); None when no token of the batch has one."""
+
+    def sampling_kwargs(self) -> dict[str, torch.Tensor | None]:
+        """The per-token sampling tensors, as keyword arguments of the log-prob module."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
     def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch with its tensors on ``device``."""
@@ -172,8 +234,15 @@ def split_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def build_micro_batch(samples: Sequence[StepSample], row_tokens: int, pad_id: int) -> MicroBatch:
-    """Pack ``samples`` into rows and index their trained tokens (in sample order)."""
+def build_micro_batch(
+    samples: Sequence[StepSample], row_tokens: int, pad_id: int, default_temperature: float = 1.0
+) -> MicroBatch:
+    """Pack ``samples`` into rows and index their trained tokens (in sample order).
+
+    Each trained token carries its sample's sampling: the temperature (``default_temperature``
+    where none was recorded) always, top-k / top-p / min-p only when some sample truncates
+    with them (so an untruncated batch costs no sort).
+    """
     import torch
 
     rows = pack_rows([s.length for s in samples], row_tokens)
@@ -199,6 +268,13 @@ def build_micro_batch(samples: Sequence[StepSample], row_tokens: int, pad_id: in
                 behaviour.append(s.behaviour_logprobs[j])
                 adv.append(s.advantage)
                 owner.append(i)
+    token_sample = torch.tensor(owner, dtype=torch.long)
+    sampling = [s.sampling for s in samples]
+
+    def per_token(values: list[float | int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)[token_sample]
+
+    temps = [x.temperature if x.temperature is not None else default_temperature for x in sampling]
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -206,10 +282,14 @@ def build_micro_batch(samples: Sequence[StepSample], row_tokens: int, pad_id: in
         target_ids=torch.tensor(target, dtype=torch.long),
         behaviour_logprobs=torch.tensor(behaviour, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32),
-        token_sample=torch.tensor(owner, dtype=torch.long),
+        token_sample=token_sample,
         last_prompt_index=torch.tensor([start[i] + len(s.prompt_ids) - 1 for i, s in enumerate(samples)]),
         sample_ids=[s.sample_id for s in samples],
         n_tokens=sum(s.length for s in samples),
+        temperature=per_token(temps, torch.float32),
+        top_k=per_token([x.top_k for x in sampling], torch.long) if any(x.top_k > 0 for x in sampling) else None,
+        top_p=per_token([x.top_p for x in sampling], torch.float32) if any(x.top_p < 1 for x in sampling) else None,
+        min_p=per_token([x.min_p for x in sampling], torch.float32) if any(x.min_p > 0 for x in sampling) else None,
     )
 
 
@@ -218,7 +298,10 @@ def micro_batches(
 ) -> list[MicroBatch]:
     """``samples`` split by the token budget, each split packed (and moved to ``device``)."""
     groups = split_micro_batches([s.length for s in samples], step.micro_batch_tokens)
-    batches = [build_micro_batch([samples[i] for i in g], step.pack_row_tokens, pad_id) for g in groups]
+    batches = [
+        build_micro_batch([samples[i] for i in g], step.pack_row_tokens, pad_id, step.sampling_temperature)
+        for g in groups
+    ]
     return [mb.to(device) for mb in batches] if device is not None else batches
 
 
@@ -248,8 +331,95 @@ def causal_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def make_logprob_module(model: PreTrainedModel, temperature: float) -> torch.nn.Module:
-    """A module whose forward returns the log-prob of each trained token (and prompt features)."""
+def truncation_mask(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which tokens vLLM keeps for sampling: a ``(tokens, vocab)`` boolean mask, without gradient.
+
+    ``logits`` are float32 and already divided by the temperature. Mirrors vLLM 0.32's sampler
+    (``Sampler.sample``: the min-p logits processor, then ``apply_top_k_top_p_pytorch``):
+
+    1. min-p: ``p = softmax(logits)``; drop tokens with ``p < min_p * max(p)``;
+    2. top-k: drop tokens whose logit is below the k-th largest (ties with it are kept);
+    3. top-p: sort the survivors ascending, softmax, cumulative sum; drop those whose cumulative
+       sum is ``<= 1 - top_p`` (the most likely token always stays).
+
+    Per row: ``top_k`` 0 (or >= vocab), ``top_p`` 1 and ``min_p`` 0 leave the row alone; a
+    tensor that is None applies to no row. Only the rows that truncate are sorted.
+    """
+    import torch
+
+    with torch.no_grad():
+        masked = logits.detach().float().clone()
+        vocab = masked.shape[-1]
+        if min_p is not None:
+            rows = (min_p > 0).nonzero().squeeze(1)
+            if rows.numel():
+                sub = masked.index_select(0, rows)
+                probs = sub.softmax(dim=-1)
+                threshold = probs.amax(dim=-1, keepdim=True) * min_p.index_select(0, rows).float()[:, None]
+                masked[rows] = sub.masked_fill(probs < threshold, -math.inf)
+        if top_k is not None:
+            rows = ((top_k > 0) & (top_k < vocab)).nonzero().squeeze(1)
+            if rows.numel():
+                sub = masked.index_select(0, rows)
+                k = top_k.index_select(0, rows).long()
+                kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+                masked[rows] = sub.masked_fill(sub < kth, -math.inf)
+        if top_p is not None:
+            rows = (top_p < 1).nonzero().squeeze(1)
+            if rows.numel():
+                sub = masked.index_select(0, rows)
+                ordered, order = sub.sort(dim=-1, descending=False)
+                cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+                drop = cumulative <= 1 - top_p.index_select(0, rows).float()[:, None]
+                drop[:, -1] = False
+                masked[rows] = sub.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
+        return masked != -math.inf
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: torch.Tensor | float | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-prob of each ``target_ids`` token under vLLM's processed (sampled-from) distribution.
+
+    ``logits``: ``(tokens, vocab)`` raw logits of the policy; ``temperature`` a per-token tensor
+    or one number; the truncation tensors as in :func:`truncation_mask`. In float32: the logits
+    divided by the temperature, the kept set chosen without gradient, then a log-softmax over
+    the kept tokens, so the gradient flows through the renormalised distribution. The target is
+    always in the kept set (the server sampled it; a last-bit difference at the boundary of the
+    set must not make it impossible). With no truncation this is a plain log-softmax: no sort.
+    """
+    import torch
+
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        logits = logits / temperature.to(logits.dtype)[:, None]
+    elif temperature is not None and temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None or top_p is not None or min_p is not None:
+        keep = truncation_mask(logits, top_k, top_p, min_p)
+        keep[torch.arange(keep.shape[0], device=keep.device), target_ids] = True
+        logits = logits.masked_fill(~keep, -math.inf)
+    return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def make_logprob_module(model: PreTrainedModel, temperature: float = 1.0) -> torch.nn.Module:
+    """A module whose forward returns the log-prob of each trained token (and prompt features).
+
+    The log-prob is under the distribution each token was sampled from
+    (:func:`processed_logprobs`): the micro-batch's per-token ``temperature``, ``top_k``,
+    ``top_p`` and ``min_p`` (:meth:`MicroBatch.sampling_kwargs`). ``temperature`` here applies
+    only to a call that passes no per-token temperature.
+    """
     import torch
 
     class TokenLogprobs(torch.nn.Module):
@@ -264,18 +434,22 @@ def make_logprob_module(model: PreTrainedModel, temperature: float) -> torch.nn.
             pred_index: torch.Tensor,
             target_ids: torch.Tensor,
             feature_index: torch.Tensor | None = None,
+            temperature: torch.Tensor | None = None,
+            top_k: torch.Tensor | None = None,
+            top_p: torch.Tensor | None = None,
+            min_p: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
             lm = causal_lm(self.policy)
             backbone = getattr(lm, lm.base_model_prefix)
             hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
             flat = hidden.reshape(-1, hidden.shape[-1])
             logits = lm.get_output_embeddings()(flat.index_select(0, pred_index)).float()
-            if temperature != 1.0:
-                logits = logits / temperature
-            logp = logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            temps = temperature if temperature is not None else default_temperature
+            logp = processed_logprobs(logits, target_ids, temps, top_k, top_p, min_p)
             features = flat.index_select(0, feature_index) if feature_index is not None else None
             return logp, features
 
+    default_temperature = temperature
     return TokenLogprobs()
 
 
@@ -348,6 +522,7 @@ def forward_batches(
                 mb.pred_index,
                 mb.target_ids,
                 mb.last_prompt_index if with_features else None,
+                **mb.sampling_kwargs(),
             )
             out.append((logp, features))
     return out
@@ -443,7 +618,7 @@ def optimizer_step(
             raise CycleTimeout("time limit reached during the training loop")
         sync = k == len(batches) - 1
         with _no_sync(wrapped, dist, skip=not sync):
-            logp, _ = wrapped(mb.input_ids, mb.position_ids, mb.pred_index, mb.target_ids)
+            logp, _ = wrapped(mb.input_ids, mb.position_ids, mb.pred_index, mb.target_ids, **mb.sampling_kwargs())
             ref = _gather_ref(ref_by_sample, mb)
             terms = token_loss(logp, mb.behaviour_logprobs, mb.advantages, loss, ref)
             (terms.loss.sum() * scale).backward()

@@ -112,7 +112,8 @@ class StepSettings(BaseModel):
     seed: int = Field(0, ge=0)
     """Seed of the sample order, LoRA initialisation and dropout."""
     sampling_temperature: float = Field(1.0, gt=0.0, le=10.0)
-    """Temperature serving sampled with; logits are divided by it before log-probs (the gate samples with it)."""
+    """Temperature assumed for samples that recorded none (each sample's own recorded temperature, top-k,
+    top-p and min-p define the distribution its log-probs are under; see docs/trainer.md). The gate samples with it."""
     torch_threads: int | None = Field(None, ge=1, le=512)
     """torch intra-op threads; None keeps torch's default."""
     show_progress: bool = True
