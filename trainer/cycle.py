@@ -43,7 +43,7 @@ from trainer.advantages import AdvantageResult, AdvInput, BaselineState, compute
 from trainer.ckpt import PolicyRef
 from trainer.metrics import TrainerMetrics
 from trainer.select import DataWindow, SelectionRules
-from trainer.step import CycleTimeout, StepSample, TrainResult, prompt_features, train_on_batch
+from trainer.step import CycleTimeout, StepSample, TokenSampling, TrainResult, prompt_features, train_on_batch
 
 # torch, transformers and peft are imported where they are used: the Celery worker's main
 # process and ``flywheel-trainer check`` import this module without training.
@@ -323,8 +323,17 @@ def prepare_batch(
 
 
 def _step_sample(s: StoredSample, advantage: float) -> StepSample:
+    """The step's view of a stored sample, with the distribution it was sampled from (selection has
+    already dropped the samples whose sampling the trainer cannot reproduce)."""
     return StepSample(
-        s.id, s.prompt_token_ids, s.completion_token_ids, s.loss_mask, s.behaviour_logprobs, advantage, s.reward
+        s.id,
+        s.prompt_token_ids,
+        s.completion_token_ids,
+        s.loss_mask,
+        s.behaviour_logprobs,
+        advantage,
+        s.reward,
+        TokenSampling.from_params(s.sampling),
     )
 
 
