@@ -24,7 +24,7 @@ OPS_ROLES = ("viewer", "operator", "admin")
 TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]*$"
 """Token names: letters, digits and ``._@-`` (they appear in the audit log as ``token:<name>``)."""
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$"
-"""Checkpoint ids (``c000042-1a2b3c4d``, ``base-1a2b3c4d``): no spaces or control characters."""
+"""Checkpoint ids (``c000042-1a2b3c4d``, a base model's ``base-1a2b3c4d5e6f``): no spaces or control characters."""
 TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
 """Free text (reasons): any characters but control characters other than tab and newlines
 (Postgres refuses NUL in text and JSONB, so it is refused here with the field's name)."""
