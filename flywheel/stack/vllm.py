@@ -123,6 +123,11 @@ class VllmReplica(Component):
             "--port", str(self.port),
             "--dtype", vs.dtype,
             "--max-model-len", str(vs.max_model_len),
+            # Logprobs of the distribution sampled from (temperature, min-p, top-k, top-p applied), which
+            # the trainer reproduces; and no model generation_config defaults, so a parameter the
+            # request left unset means vLLM's neutral default, as the recorded sampling says.
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
         ]  # fmt: skip
         env = dict(os.environ)
         env.update(
