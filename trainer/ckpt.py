@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from flywheel.core.contracts.checkpoint import SIDECAR_NAME, CheckpointSidecar, Format
 from flywheel.core.fsutil import fsync_dir, fsync_tree
 from flywheel.core.settings.trainer import LoraSettings
+from trainer.parallel import CPU_FP32, Placement, init_fresh_adapter, lora_config, place
 
 # torch, transformers and peft are imported inside the functions that use them: trainer.cycle
 # imports this module in processes that never train (``flywheel-trainer check``).
@@ -125,25 +126,33 @@ def delete(folder: Path) -> None:
 
 
 def load_policy(
-    path: Path | str, fmt: Format, base_model: str | None, trainable: bool
+    path: Path | str, fmt: Format, base_model: str | None, trainable: bool, placement: Placement | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a checkpoint as a float32 model (a peft model for ``lora``) and its tokenizer."""
+    """Load a checkpoint (a peft model for ``lora``) and its tokenizer, placed by ``placement``.
+
+    Without a placement: float32 on the CPU. With one (``trainer.parallel.place``): on its device,
+    trainable weights float32 and frozen ones in its compute dtype (a LoRA adapter's base, or a
+    model loaded only to evaluate), gradient checkpointing and autocast as it says.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    placement = placement or CPU_FP32
+    frozen = placement.compute_dtype()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if fmt == "full":
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32 if trainable else frozen)
         model.requires_grad_(trainable)
     elif fmt == "lora":
         from peft import PeftModel
 
         if base_model is None:
             raise CheckpointError(f"LoRA checkpoint {path} names no base model")
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=frozen)
         model = PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
     else:
         raise CheckpointError(f"unknown checkpoint format {fmt!r}")
+    place(model, placement, trainable)
     model.eval()
     return model, tokenizer
 
@@ -163,36 +172,40 @@ class PolicyRef:
 
 
 def load_trainable(
-    parent: PolicyRef, mode: Format, lora: LoraSettings, seed: int
+    parent: PolicyRef, mode: Format, lora: LoraSettings, seed: int, placement: Placement | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The parent as a trainable policy in ``mode``, its tokenizer, and the new checkpoint's ``base_model``.
 
-    - full from full: every weight trainable; full from LoRA: the adapter merged first.
-    - LoRA from full: a fresh adapter (seeded) over the parent; LoRA from LoRA: the
-      parent's adapter keeps training over the same base.
+    - full from full: every weight trainable; full from LoRA: the adapter merged first (into a
+      float32 base: trained weights are float32 whatever the compute dtype).
+    - LoRA from full: a fresh adapter over the parent, initialised by parameter name and ``seed``
+      (``trainer.parallel.fresh_adapter_value``: the same numbers as a sharded load); LoRA from
+      LoRA: the parent's adapter keeps training over the same base. The adapter is float32,
+      the frozen base in the placement's compute dtype.
+
+    ``placement`` (``trainer.parallel.resolve(settings.hardware)``) defaults to float32 on the CPU.
+    Under torchrun with FSDP, ``trainer.parallel.load_sharded`` is the sharded equivalent.
     """
     import torch
 
+    placement = placement or CPU_FP32
     if mode == "full":
-        model, tokenizer = load_policy(parent.path, parent.format, parent.base_model, trainable=True)
         if parent.format == "lora":
+            model, tokenizer = load_policy(parent.path, "lora", parent.base_model, trainable=False, placement=CPU_FP32)
             model = model.merge_and_unload()
+        else:
+            model, tokenizer = load_policy(parent.path, "full", None, trainable=True, placement=CPU_FP32)
         model.requires_grad_(True)
-        return model, tokenizer, parent.base_model
+        return place(model, placement, trainable=True), tokenizer, parent.base_model
     if mode != "lora":
         raise CheckpointError(f"unknown training mode {mode!r}")
     if parent.format == "lora":
-        model, tokenizer = load_policy(parent.path, "lora", parent.base_model, trainable=True)
+        model, tokenizer = load_policy(parent.path, "lora", parent.base_model, trainable=True, placement=placement)
         return model, tokenizer, parent.base_model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    model, tokenizer = load_policy(parent.path, "full", None, trainable=False)
+    model, tokenizer = load_policy(parent.path, "full", None, trainable=False, placement=CPU_FP32)
     torch.manual_seed(seed)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config), tokenizer, str(Path(parent.path).resolve())
+    model = get_peft_model(model, lora_config(lora))
+    init_fresh_adapter(model, seed)
+    return place(model, placement, trainable=True), tokenizer, str(Path(parent.path).resolve())

@@ -42,6 +42,7 @@ from trainer import ckpt, distributed, gate, registry, select
 from trainer.advantages import AdvantageResult, AdvInput, BaselineState, compute_advantages
 from trainer.ckpt import PolicyRef
 from trainer.metrics import TrainerMetrics
+from trainer.parallel import resolve as resolve_placement
 from trainer.select import DataWindow, SelectionRules
 from trainer.step import CycleTimeout, StepSample, TokenSampling, TrainResult, prompt_features, train_on_batch
 
@@ -60,6 +61,7 @@ OPERATIONAL_FIELDS: dict[str, Any] = {
     "metrics": True,
     "data": {"window_settle_s"},
     "step": {"show_progress", "torch_threads"},
+    "hardware": {"device", "gradient_checkpointing"},
 }
 """TrainerSettings sections and fields that do not shape the update (left out of the config hash)."""
 
@@ -193,7 +195,8 @@ def _train(
     # The parent as a trainable policy, and its held-out score (cached per gate setup).
     _torch_threads(t)
     eval_key = gate.eval_key(t)
-    model, tokenizer, base_model = ckpt.load_trainable(parent_ref, t.mode, t.lora, t.step.seed)
+    placement = resolve_placement(t.hardware)
+    model, tokenizer, base_model = ckpt.load_trainable(parent_ref, t.mode, t.lora, t.step.seed, placement)
     parent_eval = registry.cached_eval(parent, eval_key)
     if parent_eval is None:
         registry.merge_cycle_metrics(session, cycle_id, {"phase": "gate-parent"})

@@ -6,13 +6,17 @@
 ``BATCH.pt`` (:func:`write_batch`) holds the parent checkpoint's location, the samples
 with their advantages and the trainer settings; every rank loads the parent the same way
 (same seed), runs :func:`trainer.step.train_on_batch` on its shard and writes
-``DIR/rank<r>.json`` with a digest of its final weights. Rank 0 also writes the trained
-model (full weights or the LoRA adapter) to ``DIR/model`` and the step metrics to
-``DIR/result.json``. The cycle runs this through :func:`launch` when
+``DIR/rank<r>.json`` with digests of its first and final weights and the parameter bytes
+it holds. Rank 0 also writes the trained model (full weights or the LoRA adapter) to
+``DIR/model`` and the step metrics to ``DIR/result.json``. The cycle runs this through :func:`launch` when
 ``trainer.distributed.nproc_per_node > 1``.
 
-Backends: NCCL on GPUs, gloo on CPU. DDP and FSDP2 (``fully_shard`` per decoder layer,
-then the root) both run on either; the tests run both with world size 2 on CPU.
+Device and precision come from ``trainer.hardware`` (:func:`trainer.parallel.resolve`):
+NCCL on GPUs, gloo on CPU. DDP loads the whole policy in every rank
+(:func:`trainer.ckpt.load_trainable`); FSDP2 builds it without storage and reads each rank's
+shard from the safetensors files (:func:`trainer.parallel.load_sharded`), and saves by
+gathering one tensor at a time (:func:`trainer.parallel.save_trained`), so no rank holds the
+whole model. The tests run both with world size 2 on CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 from flywheel.core.settings.trainer import TrainerSettings
 from trainer.ckpt import PolicyRef, load_trainable
+from trainer.parallel import load_sharded, resident_parameter_bytes, resolve, save_trained
 from trainer.step import DistInfo, StepSample, TrainResult, train_on_batch, weights_digest
 
 # torch is imported inside the functions that use it: trainer.cycle imports this module (for
@@ -99,19 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as tdist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
+    payload = torch.load(args.batch, weights_only=False)
+    settings = TrainerSettings.model_validate(payload["settings"])
+    placement = resolve(settings.hardware)
+    if placement.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    tdist.init_process_group("nccl" if use_cuda else "gloo")
+    tdist.init_process_group("nccl" if placement.device == "cuda" else "gloo")
     try:
-        payload = torch.load(args.batch, weights_only=False)
-        settings = TrainerSettings.model_validate(payload["settings"])
         strategy = args.strategy or settings.distributed.strategy
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         parent = PolicyRef(**payload["parent"])
-        model, tokenizer, _ = load_trainable(parent, settings.mode, settings.lora, settings.step.seed)
-        if use_cuda:
-            model.to(torch.device("cuda", torch.cuda.current_device()))
+        if strategy == "fsdp":
+            model, tokenizer, _ = load_sharded(parent, settings.mode, settings.lora, settings.step.seed, placement)
+        else:
+            model, tokenizer, _ = load_trainable(parent, settings.mode, settings.lora, settings.step.seed, placement)
+        param_bytes, model_bytes = resident_parameter_bytes(model)
         initial = weights_digest(model)
         samples = [StepSample(**s) for s in payload["samples"]]
         result = train_on_batch(
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rank": rank,
                     "world": world,
                     "strategy": strategy,
+                    "placement": asdict(placement),
+                    "param_bytes": param_bytes,
+                    "model_bytes": model_bytes,
                     "initial": initial,
                     "final": final,
                     "loss_before": result.loss_before,
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         if not args.no_save:
-            save_rank0(model, tokenizer, args.out / "model", rank, strategy)
+            save(model, tokenizer, args.out / "model", rank, strategy)
         if rank == 0:
             (args.out / "result.json").write_text(json.dumps(asdict(result)))
         tdist.barrier()
@@ -147,15 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_rank0(model: Any, tokenizer: Any, folder: Path, rank: int, strategy: str) -> None:
-    """Rank 0 writes the trained model (FSDP gathers the full state dict on every rank first)."""
-    state_dict = None
+def save(model: Any, tokenizer: Any, folder: Path, rank: int, strategy: str) -> None:
+    """Rank 0 writes the trained model: DDP from its full copy; FSDP streamed one gathered tensor at a time."""
     if strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
+        save_trained(model, tokenizer, folder, rank)
+    elif rank == 0:
+        model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
 
 

@@ -454,22 +454,11 @@ def make_logprob_module(model: PreTrainedModel, temperature: float = 1.0) -> tor
 
 
 def wrap_for_dist(module: torch.nn.Module, dist: DistInfo) -> torch.nn.Module:
-    """DDP or FSDP2 around ``module`` (FSDP shards each decoder layer, then the root)."""
-    if dist.world == 1 or dist.strategy == "none":
-        return module
-    if dist.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+    """DDP or FSDP2 around ``module`` (``trainer.parallel.wrap_for_dist``: FSDP shards each decoder layer,
+    the modules outside them as one group, then the root; a policy sharded at load stays as it is)."""
+    from trainer.parallel import wrap_for_dist as wrap
 
-        return DistributedDataParallel(module)
-    if dist.strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        lm = causal_lm(module.policy)
-        for layer in getattr(lm, lm.base_model_prefix).layers:
-            fully_shard(layer)
-        fully_shard(module)
-        return module
-    raise ValueError(f"unknown distributed strategy {dist.strategy!r}")
+    return wrap(module, dist.strategy, dist.world)
 
 
 def all_reduce(values: list[float], op: Literal["sum", "min", "max"], dist: DistInfo) -> list[float]:

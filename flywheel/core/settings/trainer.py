@@ -131,11 +131,15 @@ class LoraSettings(BaseModel):
     """LoRA scaling numerator (scale = alpha / rank)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA path."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-    )
-    """Module names that get LoRA adapters."""
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], min_length=1)
+    """Module names that get LoRA adapters; ``["all-linear"]`` (peft's shorthand): every linear (and GPT-2
+    ``Conv1D``) layer except the output head, whatever the architecture."""
+
+    @model_validator(mode="after")
+    def _all_linear_alone(self) -> LoraSettings:
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ValueError("trainer.lora.target_modules: 'all-linear' cannot be combined with module names")
+        return self
 
 
 class DistributedSettings(BaseModel):
@@ -147,6 +151,26 @@ class DistributedSettings(BaseModel):
     """Processes of the training step; above 1 the step runs under torchrun."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """How the step is parallelised under torchrun."""
+
+
+class HardwareSettings(BaseModel):
+    """Where and in which precision the policy trains (``trainer.parallel``).
+
+    ``device`` and ``gradient_checkpointing`` are operational (left out of the config hash: they change
+    speed and memory, not the update); ``dtype`` shapes the update (bf16 compute rounds differently) and is
+    hashed as written, so ``auto`` hashes as ``auto`` whatever it resolved to.
+    """
+
+    model_config = STRICT
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when torch sees a GPU, else the CPU. ``cuda`` without a GPU is refused at load."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute precision. ``auto``: bfloat16 on CUDA, float32 on the CPU. Trained weights and their AdamW
+    state stay float32 either way; with bfloat16 the forward runs under autocast (one process) or FSDP2
+    gathers bfloat16 copies (torchrun), and a LoRA adapter's frozen base is stored in bfloat16."""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer's activations in the backward (non-reentrant). ``auto``: on for CUDA."""
 
 
 class GateSettings(BaseModel):
@@ -213,6 +237,8 @@ class TrainerSettings(BaseModel):
     """LoRA hyper-parameters (``mode="lora"``)."""
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
     """torchrun processes and strategy."""
+    hardware: HardwareSettings = Field(default_factory=HardwareSettings)
+    """Device, precision and gradient checkpointing."""
     gate: GateSettings = Field(default_factory=GateSettings)
     """The eval gate and its suite."""
     checkpoints: CheckpointSettings = Field(default_factory=CheckpointSettings)
