@@ -193,6 +193,6 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
 
 
 def _heldout(evaluation: dict[str, Any] | None) -> float | None:
-    """The held-out success rate stored last in a checkpoint's ``eval`` column."""
-    latest = CheckpointEval.parse(evaluation).latest_heldout()
-    return latest.success_rate if latest is not None else None
+    """The headline held-out success rate of a checkpoint's ``eval`` column (its gate's, else its first)."""
+    headline = CheckpointEval.parse(evaluation).headline()
+    return headline.success_rate if headline is not None else None

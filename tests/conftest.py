@@ -68,6 +68,9 @@ def make_settings(run_dir: Path, **sections: dict) -> Settings:
     for section, fields in sections.items():
         updates.setdefault(section, {}).update(fields)
     copied = {name: getattr(base, name).model_copy(update=fields) for name, fields in updates.items()}
+    if "trainer" not in copied:  # the eval gate's local replica on a fresh port too
+        gate = base.trainer.gate.model_copy(update={"local_port": free_port()})
+        copied["trainer"] = base.trainer.model_copy(update={"gate": gate})
     return base.model_copy(update={"run_dir": run_dir, "environment": "test", **copied})
 
 
@@ -200,6 +203,23 @@ def vllm_replica(stack_settings: Settings, base_model_dir: Path) -> Iterator[Vll
         yield replica
     finally:
         down(stack_settings, ["vllm"])
+
+
+@pytest.fixture(scope="session")
+def gate_engine_url(stack_settings: Settings, base_model_dir: Path) -> Iterator[str]:
+    """URL of a running eval-gate replica (:mod:`flywheel.stack.gate`) holding the base model, warmed up."""
+    state = up(stack_settings, ["gate"], model_dir=base_model_dir)
+    try:
+        record = state.components["vllm-gate"]
+        warm = httpx.post(
+            f"{record.where}/v1/completions",
+            json={"model": record.extra["served_model_name"], "prompt": "warm up", "max_tokens": 4},
+            timeout=WARMUP_TIMEOUT_S,
+        )
+        warm.raise_for_status()
+        yield record.where
+    finally:
+        down(stack_settings, ["gate"])
 
 
 JSON_VALUES = st.recursive(
@@ -419,4 +439,5 @@ def demo_settings(tmp_path: Path) -> Settings:
         kafka={"local_port": free_port()},
         vllm={"base_port": vllm, "replicas": 2},
         serving={"router_port": free_port(), "admin_port": free_port()},
+        trainer={"gate": {"local_port": free_port()}},
     )

@@ -30,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flywheel.core.contracts.checkpoint import CheckpointEval
+from flywheel.core.contracts.checkpoint import CheckpointEval, HeldoutResult
 from flywheel.core.contracts.samples import StoredSample
 from flywheel.core.db.engine import get_engine, session_factory
 from flywheel.core.db.models import TrainingCycle
@@ -41,6 +41,8 @@ from flywheel.model.register import register_base_model
 from trainer import ckpt, distributed, gate, registry, select
 from trainer.advantages import AdvantageResult, AdvInput, BaselineState, compute_advantages
 from trainer.ckpt import PolicyRef
+from trainer.engine import VllmEngine
+from trainer.evals.base import EvalContext
 from trainer.metrics import TrainerMetrics
 from trainer.parallel import resolve as resolve_placement
 from trainer.select import DataWindow, SelectionRules
@@ -61,6 +63,7 @@ OPERATIONAL_FIELDS: dict[str, Any] = {
     "metrics": True,
     "data": {"window_settle_s"},
     "step": {"show_progress", "torch_threads"},
+    "gate": {"engine_url", "local_port", "concurrency", "request_timeout_s"},
     "hardware": {"device", "gradient_checkpointing"},
 }
 """TrainerSettings sections and fields that do not shape the update (left out of the config hash)."""
@@ -176,7 +179,13 @@ def _train(
     )
     selection = select.choose(
         select.fetch_window(session, window),
-        SelectionRules(allowed, frozenset(t.data.trainable_roles), t.data.min_samples, t.data.max_samples),
+        SelectionRules(
+            allowed,
+            frozenset(t.data.trainable_roles),
+            t.data.min_samples,
+            t.data.max_samples,
+            holdout_per_mille=t.gate.holdout_per_mille,
+        ),
     )
     info: dict[str, Any] = {
         "selection": selection.counts,
@@ -192,17 +201,19 @@ def _train(
         session, cycle_id, parent_checkpoint_id=parent.id, sample_ids=selection.ids, metrics=info | {"phase": "load"}
     )
 
-    # The parent as a trainable policy, and its held-out score (cached per gate setup).
+    # The gate's suites prepared (problems and held-out slice fixed) and the parent's results,
+    # each cached per suite key, evaluated through the gate's engine where not cached.
+    engine = VllmEngine.from_settings(settings)
+    context = gate.context_of(settings, session, engine.kind)
+    suites = gate.prepare(settings, context)
+    parent_evals = evaluate_parent(session, cycle_id, engine, parent, parent_ref, suites, context)
+    info["gate_keys"] = {p.name: p.key for p in suites}
+    _check_deadline(deadline, "evaluating the parent")
+
+    # The parent as a trainable policy.
     _torch_threads(t)
-    eval_key = gate.eval_key(t)
     placement = resolve_placement(t.hardware)
     model, tokenizer, base_model = ckpt.load_trainable(parent_ref, t.mode, t.lora, t.step.seed, placement)
-    parent_eval = registry.cached_eval(parent, eval_key)
-    if parent_eval is None:
-        registry.merge_cycle_metrics(session, cycle_id, {"phase": "gate-parent"})
-        parent_eval = gate.evaluate(model, tokenizer, t)
-        registry.cache_eval(session, parent.id, eval_key, parent_eval)
-    _check_deadline(deadline, "evaluating the parent")
 
     # Advantages and the update.
     registry.merge_cycle_metrics(session, cycle_id, {"phase": "train"})
@@ -226,19 +237,26 @@ def _train(
     digest = hashlib.sha256(f"{parent.policy_version}:{sample_hash}:{cfg_hash}".encode()).hexdigest()[:8]
     checkpoint_id = f"c{cycle_id:06d}-{digest}"
     tmp = ckpt.stage(model, tokenizer, root, checkpoint_id)
+    del model
     try:
-        candidate, cand_tokenizer = ckpt.load_policy(tmp, t.mode, base_model, trainable=False)
-        candidate_eval = gate.evaluate(candidate, cand_tokenizer, t)
-        del candidate
-        decision = gate.decide(candidate_eval, parent_eval, t)
+        # The gate's replica reads the staged folder (full weights are reloaded from it, a LoRA
+        # adapter is loaded from it and unloaded again) before publish renames it.
+        staged = PolicyRef(checkpoint_id, checkpoint_id, str(tmp), t.mode, base_model)
+        with engine.serve(staged) as served:
+            candidate_evals = gate.evaluate_all(served, suites, context)
+        decision = gate.decide_suites(suites, candidate_evals, parent_evals)
         _check_deadline(deadline, "gating")
         status = "candidate" if decision.passed else "rejected"
         summary = {
             **info,
             **result.summary(),
             "samples": len(step_samples),
-            "gate_candidate_success": candidate_eval.success_rate,
-            "gate_parent_success": parent_eval.success_rate,
+            "gate_candidate_success": decision.candidate.success_rate,
+            "gate_parent_success": decision.parent.success_rate if decision.parent is not None else None,
+            "gate_suites": {
+                v.suite: {"candidate": v.candidate.success_rate, "parent": v.parent.success_rate, "passed": v.passed}
+                for v in decision.suites or []
+            },
         }
         sidecar = ckpt.CheckpointSidecar(
             checkpoint_id=checkpoint_id,
@@ -272,7 +290,7 @@ def _train(
         sidecar,
         path,
         decision.reason,
-        CheckpointEval(heldout={decision.key: candidate_eval}, gate=decision),
+        CheckpointEval(heldout={p.key: candidate_evals[p.name] for p in suites}, gate=decision),
     )
     registry.update_cycle(
         session,
@@ -290,6 +308,36 @@ def _train(
 
 
 # --------------------------------------------------------------------------- pieces
+
+
+def evaluate_parent(
+    session: Session,
+    cycle_id: int,
+    engine: VllmEngine,
+    parent: Any,
+    parent_ref: PolicyRef,
+    suites: list[gate.PreparedSuite],
+    context: EvalContext,
+) -> dict[str, HeldoutResult]:
+    """The parent's result of every prepared suite: cached in its registry row under the suite's key, else
+    evaluated through ``engine`` (loading the parent once) and cached."""
+    results: dict[str, HeldoutResult] = {}
+    missing = []
+    for p in suites:
+        cached = registry.cached_eval(parent, p.key)
+        if cached is not None:
+            results[p.name] = cached
+        else:
+            missing.append(p)
+    if missing:
+        registry.merge_cycle_metrics(session, cycle_id, {"phase": "gate-parent"})
+
+        def cache(p: gate.PreparedSuite, result: HeldoutResult) -> None:
+            registry.cache_eval(session, parent.id, p.key, result)
+
+        with engine.serve(parent_ref) as served:
+            results |= gate.evaluate_all(served, missing, context, on_result=cache)
+    return results
 
 
 def parent_checkpoint_id(session: Session, t: TrainerSettings, base_id: str) -> str:

@@ -12,6 +12,8 @@ The rules, applied in this order (pure functions, tested with in-memory rows):
    (active deployments; with none, the base model's) or an ancestor of one within
    ``max_policy_lag`` checkpoints along the lineage.
 4. **Trainable roles**: rows of other roles (frozen sub-agents) are dropped.
+4b. **Held out**: rows of held-out sessions (:func:`is_held_out`, ``trainer.gate.holdout_per_mille``)
+   are dropped: the gate's replay suite evaluates on them, so no checkpoint trains on them.
 5. **Reproducible sampling**: the trainer computes each token's log-prob under the distribution
    the completion was sampled from (temperature, min-p, top-k, top-p: see docs/trainer.md), so
    rows it cannot reproduce are dropped and counted by reason (:func:`sampling_exclusion`):
@@ -23,6 +25,7 @@ The rules, applied in this order (pure functions, tested with in-memory rows):
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +55,24 @@ class DataWindow:
         return (self.start is None or at > self.start) and at <= self.end
 
 
+HOLDOUT_BUCKETS = 1000
+"""Sessions are split by hash into this many buckets; ``trainer.gate.holdout_per_mille`` of them are held out."""
+
+BUCKET_SQL = f"mod(('x' || substr({{hex}}, 1, 14))::bit(56)::bigint, {HOLDOUT_BUCKETS})"
+""":func:`holdout_bucket` in PostgreSQL, over the hex SHA-256 digest ``{hex}`` of ``project/session_id``."""
+
+
+def holdout_bucket(project: str, session_id: str) -> int:
+    """The session's hash bucket, 0..999: the first 56 bits of ``sha256("<project>/<session_id>")`` mod 1000."""
+    digest = hashlib.sha256(f"{project}/{session_id}".encode()).digest()
+    return int.from_bytes(digest[:7], "big") % HOLDOUT_BUCKETS
+
+
+def is_held_out(project: str, session_id: str, per_mille: int) -> bool:
+    """Whether a session is held out of training (for the gate's replay suite)."""
+    return per_mille > 0 and holdout_bucket(project, session_id) < per_mille
+
+
 @dataclass(frozen=True)
 class SampleMeta:
     """The columns selection needs (no token arrays)."""
@@ -64,6 +85,10 @@ class SampleMeta:
     created_at: datetime
     sampling: Mapping[str, Any] | SamplingParams | None = None
     """The row's ``sampling`` record (None or empty: nothing recorded, the assumed temperature applies)."""
+    project: str = ""
+    """The session's project (with ``session_id``, what the held-out split hashes)."""
+    session_id: str = ""
+    """The session the row belongs to."""
 
 
 GREEDY_BELOW = 1e-5
@@ -80,6 +105,8 @@ class SelectionRules:
     trainable_roles: frozenset[str]
     min_samples: int
     max_samples: int
+    holdout_per_mille: int = 0
+    """Sessions held out of training (:func:`is_held_out`)."""
 
 
 @dataclass
@@ -123,6 +150,10 @@ def choose(rows: Sequence[SampleMeta], rules: SelectionRules) -> Selection:
     counts["off_policy"] = len(newest) - len(on_policy)
     roles = [r for r in on_policy if r.agent_role in rules.trainable_roles]
     counts["frozen_role"] = len(on_policy) - len(roles)
+    if rules.holdout_per_mille > 0:
+        trained = [r for r in roles if not is_held_out(r.project, r.session_id, rules.holdout_per_mille)]
+        counts["held_out"] = len(roles) - len(trained)
+        roles = trained
     trainable = []
     excluded: dict[str, int] = {}
     for r in roles:
@@ -213,7 +244,15 @@ def validate(sample: StoredSample) -> None:
 def fetch_window(session: Session, window: DataWindow) -> list[SampleMeta]:
     """Metadata of every ``training_samples`` row inside ``window``."""
     query = select(
-        T.id, T.completion_id, T.reward_version, T.policy_version, T.agent_role, T.created_at, T.sampling
+        T.id,
+        T.completion_id,
+        T.reward_version,
+        T.policy_version,
+        T.agent_role,
+        T.created_at,
+        T.sampling,
+        T.project,
+        T.session_id,
     ).where(T.created_at <= window.end)
     if window.start is not None:
         query = query.where(T.created_at > window.start)

@@ -1,9 +1,9 @@
 """Where a service finds the infrastructure: from its settings alone.
 
-Every deployed service is told where Kafka, Postgres, Redis and the vLLM replicas live
-through its settings (``FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS`` and friends). Nothing here
-looks for a development stack: the local stack (:mod:`flywheel.stack`) is composition,
-and it tells the services it starts through their environment, as a deployment would.
+Every deployed service is told where Kafka, Postgres, Redis, the vLLM replicas and the eval
+gate's own vLLM replica live through its settings (``FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS`` and
+friends). Nothing here looks for a development stack: the local stack (:mod:`flywheel.stack`)
+is composition, and it tells the services it starts through their environment, as a deployment would.
 A component that is not configured raises :class:`NotConfigured`, naming the variable
 to set.
 """
@@ -22,6 +22,7 @@ __all__ = [
     "NotConfigured",
     "drop_database",
     "ensure_database",
+    "gate_engine_url",
     "kafka_bootstrap",
     "libpq_conninfo",
     "postgres_url",
@@ -66,6 +67,14 @@ def vllm_urls(settings: Settings | None = None) -> list[str]:
     if not settings.vllm.urls:
         raise NotConfigured(_missing("vLLM replica", "FLYWHEEL_VLLM__URLS='[\"http://host:port\"]'"))
     return [u.rstrip("/") for u in settings.vllm.urls]
+
+
+def gate_engine_url(settings: Settings | None = None) -> str:
+    """Base URL (``http://host:port``, no ``/v1``) of the eval gate's vLLM replica (``trainer.gate.engine_url``)."""
+    settings = settings or get_settings()
+    if not settings.trainer.gate.engine_url:
+        raise NotConfigured(_missing("eval-gate vLLM replica", "FLYWHEEL_TRAINER__GATE__ENGINE_URL=http://host:port"))
+    return settings.trainer.gate.engine_url.rstrip("/")
 
 
 def with_database(url: str, database: str) -> str:

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
 def up_command(
     only: str | None = typer.Option(
-        None, "--only", help="Comma-separated subset of broker,postgres,redis,vllm (default: all)."
+        None, "--only", help="Comma-separated subset of broker,postgres,redis,vllm,gate (default: all)."
     ),
     replicas: int | None = typer.Option(
         None, "--replicas", min=0, max=8, help="Number of local vLLM replicas (default: settings)."
@@ -59,7 +59,7 @@ def down_command(
     only: str | None = typer.Option(
         None,
         "--only",
-        help="Comma-separated subset of service,broker,postgres,redis,vllm (default: all); "
+        help="Comma-separated subset of service,broker,postgres,redis,vllm,gate (default: all); "
         "service: the pipeline's services left running by `flywheel demo --keep-up`.",
     ),
 ) -> None:

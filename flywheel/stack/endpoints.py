@@ -23,6 +23,7 @@ __all__ = [
     "drop_database",
     "endpoint_env",
     "ensure_database",
+    "gate_engine_url",
     "kafka_bootstrap",
     "libpq_conninfo",
     "postgres_url",
@@ -71,6 +72,20 @@ def vllm_urls(settings: Settings | None = None) -> list[str]:
     return [r.where for r in records]
 
 
+def gate_engine_url(settings: Settings | None = None) -> str:
+    """Base URL of the eval gate's vLLM replica (``trainer.gate.engine_url``, else the stack's ``gate``)."""
+    settings = settings or get_settings()
+    if settings.trainer.gate.engine_url:
+        return configured.gate_engine_url(settings)
+    records = load_state(settings).of_kind("gate")
+    if not records:
+        raise StackNotRunning(
+            _missing("eval-gate vLLM replica", settings, "FLYWHEEL_TRAINER__GATE__ENGINE_URL=http://host:port")
+        )
+    _check_alive(records[0], settings)
+    return records[0].where
+
+
 def endpoint_env(settings: Settings | None = None) -> dict[str, str]:
     """``FLYWHEEL_*`` variables naming every component that the settings or the stack know of.
 
@@ -85,6 +100,7 @@ def endpoint_env(settings: Settings | None = None) -> dict[str, str]:
         ("FLYWHEEL_POSTGRES__URL", lambda: _server_only(postgres_url(settings))),
         ("FLYWHEEL_REDIS__URL", lambda: redis_url(settings)),
         ("FLYWHEEL_VLLM__URLS", lambda: json.dumps(vllm_urls(settings))),
+        ("FLYWHEEL_TRAINER__GATE__ENGINE_URL", lambda: gate_engine_url(settings)),
     ):
         try:
             env[var] = resolve()

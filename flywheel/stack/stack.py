@@ -33,13 +33,16 @@ from flywheel.stack.base import (
     save_state,
 )
 from flywheel.stack.broker import Broker
+from flywheel.stack.gate import KIND as GATE_KIND
+from flywheel.stack.gate import GateReplica
 from flywheel.stack.postgres import Postgres
 from flywheel.stack.redis import Redis
 from flywheel.stack.services import SERVICE_KIND, ServiceComponent
 from flywheel.stack.vllm import VllmReplica
 
-KINDS = ("broker", "postgres", "redis", "vllm")
-"""Component kinds in display order; ``--only`` takes a comma-separated subset."""
+KINDS = ("broker", "postgres", "redis", "vllm", GATE_KIND)
+"""Component kinds in display order; ``--only`` takes a comma-separated subset (``gate``: the trainer's
+eval-gate replica, :mod:`flywheel.stack.gate`)."""
 DOWN_KINDS = (SERVICE_KIND, *KINDS)
 """What ``down`` may stop: the kept services (``service``) too, first."""
 
@@ -88,9 +91,9 @@ def up(
                 state.components.pop(component.name, None)
             pending.append(component)
         save_state(settings, state)
-        if any(isinstance(c, VllmReplica) and c.model_dir is None and not settings.vllm.urls for c in pending):
+        if any(isinstance(c, VllmReplica) and c.model_dir is None and not c.configured_url for c in pending):
             resolved = _default_model_dir(settings)
-            pending = [VllmReplica(settings, c.index, resolved) if isinstance(c, VllmReplica) else c for c in pending]
+            pending = [_with_model(settings, c, resolved) for c in pending]
         for record in _start_all(pending):
             state.components[record.name] = record
         save_state(settings, state)
@@ -197,7 +200,18 @@ def _plan(settings: Settings, kinds: tuple[str, ...], model_dir: Path | None) ->
         elif kind == "vllm":
             count = len(settings.vllm.urls) if settings.vllm.urls else settings.vllm.replicas
             plan.extend(VllmReplica(settings, i, model_dir) for i in range(count))
+        elif kind == GATE_KIND:
+            plan.append(GateReplica(settings, model_dir))
     return plan
+
+
+def _with_model(settings: Settings, component: Component, model_dir: Path) -> Component:
+    """``component`` serving ``model_dir`` when it is a local vLLM replica given none."""
+    if isinstance(component, GateReplica):
+        return GateReplica(settings, model_dir)
+    if isinstance(component, VllmReplica):
+        return VllmReplica(settings, component.index, model_dir)
+    return component
 
 
 def _configured_records(settings: Settings, kind: str) -> list[ComponentRecord]:
@@ -211,6 +225,8 @@ def _configured_records(settings: Settings, kind: str) -> list[ComponentRecord]:
         configured = [("redis", settings.redis.url)]
     elif kind == "vllm":
         configured = [(f"vllm-{i}", u.rstrip("/")) for i, u in enumerate(settings.vllm.urls)]
+    elif kind == GATE_KIND and settings.trainer.gate.engine_url:
+        configured = [(GateReplica(settings).name, settings.trainer.gate.engine_url.rstrip("/"))]
     return [
         ComponentRecord(name=name, kind=kind, where=where, started_by_us=False, source="config", extra={"index": i})
         for i, (name, where) in enumerate(configured)
@@ -220,6 +236,8 @@ def _configured_records(settings: Settings, kind: str) -> list[ComponentRecord]:
 def _component_for(settings: Settings, record: ComponentRecord) -> Component:
     if record.kind == "vllm":
         return VllmReplica(settings, int(record.extra.get("index", 0)))
+    if record.kind == GATE_KIND:
+        return GateReplica(settings)
     if record.kind == SERVICE_KIND:
         return ServiceComponent(settings, record.name)
     return {"broker": Broker, "postgres": Postgres, "redis": Redis}[record.kind](settings)

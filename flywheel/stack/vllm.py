@@ -82,25 +82,40 @@ class VllmReplica(Component):
     def port(self) -> int:
         return self.settings.vllm.base_port + self.index
 
+    @property
+    def configured_url(self) -> str | None:
+        """The replica's URL when the settings name one (then nothing is started)."""
+        urls = self.settings.vllm.urls
+        return urls[self.index].rstrip("/") if urls else None
+
+    @property
+    def lora(self) -> bool:
+        """Whether the replica loads LoRA adapters at runtime."""
+        return self.settings.vllm.enable_lora
+
+    def initial_version(self, model_dir: Path, served: str) -> str:
+        """The weight version the replica reports once ready: the served model's policy version."""
+        return served
+
     def ready_timeout_s(self) -> float:
         return self.settings.vllm.startup_timeout_s
 
     def matches(self, record: ComponentRecord) -> bool:
         """Whether a recorded replica is what the settings (and ``model_dir``) ask for."""
-        urls = self.settings.vllm.urls
-        if urls:
-            return record.source == "config" and record.where == urls[self.index].rstrip("/")
+        url = self.configured_url
+        if url:
+            return record.source == "config" and record.where == url
         if record.source != "local" or record.extra.get("port") != self.port:
             return False
         return self.model_dir is None or record.extra.get("model_dir") == str(self.model_dir)
 
     def start_or_locate(self) -> ComponentRecord:
         vs = self.settings.vllm
-        if vs.urls:
+        if self.configured_url:
             return ComponentRecord(
                 name=self.name,
                 kind=self.kind,
-                where=vs.urls[self.index].rstrip("/"),
+                where=self.configured_url,
                 started_by_us=False,
                 source="config",
                 extra={"index": self.index},
@@ -139,7 +154,7 @@ class VllmReplica(Component):
             DO_NOT_TRACK="1",
             VLLM_CPU_OMP_THREADS_BIND=cpu_binding(vs.cpu_binding, self.index),
         )
-        if vs.enable_lora:
+        if self.lora:
             argv += ["--enable-lora", "--max-lora-rank", str(vs.max_lora_rank)]
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         pid, ticks = spawn(self.name, argv, self.log_path, env=env, cwd=model_dir)
@@ -158,8 +173,8 @@ class VllmReplica(Component):
                 "port": self.port,
                 "model_dir": str(model_dir),
                 "served_model_name": served,
-                "initial_weight_version": served,
-                "lora": vs.enable_lora,
+                "initial_weight_version": self.initial_version(model_dir, served),
+                "lora": self.lora,
             },
         )
 

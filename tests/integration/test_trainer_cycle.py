@@ -3,7 +3,8 @@
 Samples are real: episodes of the calculator task sampled from the base model with their
 sampling logprobs, scored by the task's outcome (``test_trainer_rollouts.sample_rows``).
 Every test gets its own throw-away database on the test server and its own checkpoint
-folder; Celery tests run real workers (``flywheel-trainer worker``) on a private queue.
+folder; Celery tests run real workers (``flywheel-trainer worker``) on a private queue. Every
+cycle gates through one real eval-gate vLLM replica (the ``gate_engine_url`` fixture).
 """
 
 from __future__ import annotations
@@ -33,13 +34,23 @@ ROOT = Path(__file__).resolve().parents[2]
 TASK = "trainer.train_cycle"
 FAST = {
     "data": {"min_samples": 16, "window_settle_s": 0.0},
-    "gate": {"suites": {"arith": {"n": 32, "batch_size": 32}}},
+    # the held-out split off: these tests train on exactly the rows they insert (tests/unit/test_trainer_gate.py
+    # and tests/integration/test_trainer_gate.py test the split and the replay suite)
+    "gate": {"suites": {"arith": {"n": 32}}, "holdout_per_mille": 0},
     "step": {"learning_rate": 3e-4, "epochs": 1, "mini_batch_samples": 24, "show_progress": False, "torch_threads": 2},
     "schedule": {"time_limit_s": 600.0},
 }
 
 
 # --------------------------------------------------------------------------- fixtures
+
+GATE: dict[str, str] = {}
+"""The eval gate's replica of this module's tests (every cycle gates through it)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gate_replica(gate_engine_url: str) -> None:
+    GATE["engine_url"] = gate_engine_url
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +77,7 @@ def make_settings(
         "checkpoints": {"dir": tmp_path / "checkpoints"},
         "metrics": {"textfile": tmp_path / "trainer.prom"},
         "schedule": {"queue": f"trainer-test-{uuid.uuid4().hex[:8]}"},
+        "gate": {"engine_url": GATE["engine_url"]},
     }
     fields = merged(merged(FAST, own), trainer)
     return Settings(

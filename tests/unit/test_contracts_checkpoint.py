@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from flywheel.core.contracts.checkpoint import CheckpointEval, CheckpointSidecar, GateRecord, HeldoutResult
-from flywheel.core.settings.trainer import TrainerSettings
 from flywheel.model.eval import EvalResult
 from trainer.gate import decide
+from trainer.gate import verdict as gate_verdict
 
 KEY = "arith-v1/heldout/n32/s1234/t1.0/m24"
 ROOT_KEY = "arith-v1/heldout/n200/s1234/t1.0/m24"
@@ -85,13 +85,22 @@ def test_caching_a_result_keeps_everything_else():
     assert CheckpointEval.parse({}).with_heldout(KEY, parent).to_dict() == {"heldout": {KEY: arith_result(0.2, 6)}}
 
 
-def test_the_gate_writes_the_record_it_wrote_before():
-    t = TrainerSettings(gate={"margin": 0.02, "suites": {"arith": {"n": 32}}})
+def test_the_gate_writes_the_first_suites_numbers_where_readers_of_one_suite_find_them():
     stored = trained_eval()
-    decision = decide(arith_result(0.40625, 13), arith_result(0.375, 12), t)
-    assert isinstance(decision, GateRecord) and decision.key == KEY
-    assert json.dumps(decision.to_dict()) == json.dumps(stored["gate"])  # the same keys, even in the same order
-    assert CheckpointEval(heldout={decision.key: decision.candidate}, gate=decision).to_dict() == stored
+    verdict = gate_verdict("arith", KEY, arith_result(0.40625, 13), arith_result(0.375, 12), 0.02)
+    replay = gate_verdict("replay", "replay-v1/k", {"success_rate": 0.5, "n": 40}, {"success_rate": 0.45, "n": 40}, 0.1)
+    decision = decide([verdict, replay])
+    assert isinstance(decision, GateRecord) and decision.key == KEY and decision.passed
+    written = decision.to_dict()
+    old = stored["gate"]
+    # What a reader of the one-suite record read is where it was, with the same values.
+    assert {k: written[k] for k in ("passed", "candidate", "parent", "margin", "delta", "key")} == {
+        k: old[k] for k in ("passed", "candidate", "parent", "margin", "delta", "key")
+    }
+    assert "arith 0.406 vs parent 0.375 (delta +0.031, margin 0.020, n=32)" in written["reason"]
+    assert [v["suite"] for v in written["suites"]] == ["arith", "replay"]
+    again = CheckpointEval(heldout={KEY: decision.candidate}, gate=decision)
+    assert CheckpointEval.parse(again.to_dict()) == again and again.headline().success_rate == 0.40625
 
 
 def old_sidecar() -> str:

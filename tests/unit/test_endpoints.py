@@ -23,6 +23,7 @@ def _settings(tmp_path, **sections) -> Settings:
         (endpoints.postgres_url, "FLYWHEEL_POSTGRES__URL"),
         (endpoints.redis_url, "FLYWHEEL_REDIS__URL"),
         (endpoints.vllm_urls, "FLYWHEEL_VLLM__URLS"),
+        (endpoints.gate_engine_url, "FLYWHEEL_TRAINER__GATE__ENGINE_URL"),
     ],
 )
 def test_a_service_without_an_endpoint_is_told_which_variable_to_set(tmp_path, resolve, variable) -> None:
@@ -46,6 +47,7 @@ def test_composition_passes_configured_endpoints_on_with_a_server_only_postgres_
         postgres={"url": "postgresql+psycopg://u@db:5432/flywheel"},
         redis={"url": "redis://r:6379/0"},
         vllm={"urls": ["http://v0:8000/", "http://v1:8000"]},
+        trainer={"gate": {"engine_url": "http://gate:8000/"}},
     )
     env = endpoint_env(settings)
     assert env == {
@@ -53,6 +55,7 @@ def test_composition_passes_configured_endpoints_on_with_a_server_only_postgres_
         "FLYWHEEL_POSTGRES__URL": "postgresql+psycopg://u@db:5432",
         "FLYWHEEL_REDIS__URL": "redis://r:6379/0",
         "FLYWHEEL_VLLM__URLS": json.dumps(["http://v0:8000", "http://v1:8000"]),
+        "FLYWHEEL_TRAINER__GATE__ENGINE_URL": "http://gate:8000",
     }
     for name, value in env.items():  # what a service started with this environment sees
         monkeypatch.setenv(name, value)

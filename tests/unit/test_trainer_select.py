@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from flywheel.core.settings.trainer import TrainerSettings
-from trainer.gate import decide
 from trainer.registry import RetentionInfo, retained
 from trainer.select import DataWindow, SampleMeta, SelectionRules, allowed_versions, choose
 
@@ -92,15 +90,6 @@ def test_retention_keeps_latest_best_deployed_roots_and_lora_bases():
     ]
     assert retained(rows, {"b"}, keep_latest=1) == {"base", "a", "b", "e", "c"}
     assert retained(rows, set(), keep_latest=2) == {"base", "a", "d", "e", "c"}
-
-
-def test_gate_passes_within_margin_and_rejects_beyond():
-    cfg = TrainerSettings(gate={"margin": 0.05, "suites": {"arith": {"n": 100}}})
-    ok = decide({"success_rate": 0.42, "n": 100}, {"success_rate": 0.45}, cfg)
-    assert ok.passed and ok.reason.startswith("passed")
-    bad = decide({"success_rate": 0.30, "n": 100}, {"success_rate": 0.45}, cfg)
-    assert not bad.passed
-    assert "0.300 vs parent 0.450" in bad.reason and "-0.150" in bad.reason
 
 
 def test_lineage_tip_follows_checkpoints_on_trial_and_drops_a_rolled_back_branch():

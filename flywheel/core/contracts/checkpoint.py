@@ -4,11 +4,15 @@
 
     {"heldout": {"<eval key>": {"success_rate": 0.41, "n": 200, ...}, ...},
      "gate": {"passed": true, "reason": "passed: ...", "candidate": {...}, "parent": {...},
-              "margin": 0.02, "delta": 0.01, "key": "<eval key>"}}
+              "margin": 0.02, "delta": 0.01, "key": "<eval key>",
+              "suites": [{"suite": "arith", "key": "<eval key>", "candidate": {...}, "parent": {...},
+                          "delta": 0.01, "margin": 0.02, "passed": true}, ...]}}
 
-``heldout`` caches one :class:`HeldoutResult` per evaluation setup (the trainer's gate, the base
-model's build), so each policy is evaluated once per setup; ``gate`` is the trainer's eval-gate
-decision (:class:`GateRecord`), absent on a root checkpoint. The trainer writes it; serving, the
+``heldout`` caches one :class:`HeldoutResult` per evaluation setup (each eval suite of the
+trainer's gate, the base model's build), so each policy is evaluated once per setup; ``gate`` is
+the trainer's eval-gate decision (:class:`GateRecord`), absent on a root checkpoint: one
+:class:`SuiteVerdict` per suite it ran, and at the top level the first suite's numbers (the
+checkpoint's headline held-out success, :meth:`CheckpointEval.headline`). The trainer writes it; serving, the
 dashboard and the demo read it. Parse a stored value with :meth:`CheckpointEval.parse` and store
 one with :meth:`CheckpointEval.to_dict`: results and records keep every key they were given, known
 or not (an eval suite may report more than ``success_rate`` and ``n``), so what is read and written
@@ -29,7 +33,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 SIDECAR_NAME = "flywheel_checkpoint.json"
 """The sidecar's file name in a checkpoint folder."""
@@ -66,18 +70,47 @@ class HeldoutResult(_Stored):
     """Problems evaluated (every suite reports it; absent only in rows written by hand)."""
 
 
-class GateRecord(_Stored):
-    """The eval gate's decision on a candidate checkpoint, with both measurements.
+class SuiteVerdict(_Stored):
+    """One eval suite's verdict within a gate decision: both measurements under one setup.
 
-    The trainer passes a candidate when ``candidate.success_rate >= parent.success_rate - margin``.
+    A suite passes when ``candidate.success_rate >= parent.success_rate - margin``, or when it
+    measured nothing (``candidate.n == 0``, e.g. a replay suite without held-out sessions yet;
+    its ``note`` says so).
+    """
+
+    suite: str
+    """The eval suite's name (``arith``, ``replay``, a user suite's)."""
+    key: str
+    """The evaluation setup both were measured under (its key in :attr:`CheckpointEval.heldout`)."""
+    candidate: HeldoutResult
+    """The candidate's result."""
+    parent: HeldoutResult
+    """The parent's result under the same setup."""
+    delta: float
+    """``candidate.success_rate - parent.success_rate``."""
+    margin: float
+    """How much worse than its parent the candidate may be on this suite and still pass."""
+    passed: bool
+    """Whether this suite let the candidate pass."""
+    note: str | None = None
+    """Why a suite passed without a comparison (nothing measured)."""
+
+
+class GateRecord(_Stored):
+    """The eval gate's decision on a candidate checkpoint, with both measurements of every suite.
+
+    The trainer passes a candidate when no suite regresses beyond its margin (each
+    :class:`SuiteVerdict` passed). The top-level ``candidate``, ``parent``, ``margin``,
+    ``delta`` and ``key`` are the first suite's (the checkpoint's headline held-out success;
+    a record written before several suites holds only those).
     """
 
     passed: bool
     """Whether the candidate may serve (``candidate``) or not (``rejected``)."""
     reason: str
-    """The verdict in words, with both success rates, the delta, the margin and ``n``."""
+    """The verdict in words: the failing suites first, each with both success rates, the delta, the margin and ``n``."""
     candidate: HeldoutResult
-    """The candidate's held-out result."""
+    """The candidate's held-out result (first suite)."""
     parent: HeldoutResult | None = None
     """The parent's held-out result under the same setup (the trainer always records it)."""
     margin: float | None = None
@@ -86,6 +119,12 @@ class GateRecord(_Stored):
     """``candidate.success_rate - parent.success_rate`` (the trainer always records it)."""
     key: str
     """The evaluation setup both were measured under (its key in :attr:`CheckpointEval.heldout`)."""
+    suites: list[SuiteVerdict] | None = None
+    """Every suite's verdict, in the order the gate ran them (None in records written before several suites)."""
+
+    def failing(self) -> list[SuiteVerdict]:
+        """The suites that regressed beyond their margin."""
+        return [v for v in self.suites or [] if not v.passed]
 
 
 class CheckpointEval(_Stored):
@@ -113,6 +152,13 @@ class CheckpointEval(_Stored):
     def gated_success(self) -> float | None:
         """The held-out success its eval gate measured; None for a checkpoint that did not go through the gate."""
         return self.gate.candidate.success_rate if self.gate is not None else None
+
+    def headline(self) -> HeldoutResult | None:
+        """The held-out result a checkpoint is shown with: its gate's (first suite) when it went
+        through the gate, else the first one cached (a root's build-time result)."""
+        if self.gate is not None:
+            return self.gate.candidate
+        return next(iter(self.heldout.values()), None)
 
     def latest_heldout(self) -> HeldoutResult | None:
         """The held-out result stored last (the only one, for a checkpoint evaluated under one setup)."""
@@ -160,6 +206,12 @@ class CheckpointSidecar(BaseModel):
     """The running-mean advantage baseline after this cycle (the next cycle starts from it)."""
     gate: GateRecord | None = None
     """The eval gate's decision and both evaluations."""
+
+    @field_serializer("gate")
+    def _gate_as_given(self, gate: GateRecord | None) -> dict[str, Any] | None:
+        """The record's own keys only (a record written before several suites gains no ``suites: null``)."""
+        return gate.to_dict() if gate is not None else None
+
     status: Literal["candidate", "rejected"]
     """The gate's verdict as a registry status."""
     versions: dict[str, str] = Field(default_factory=dict)

@@ -174,17 +174,41 @@ class HardwareSettings(BaseModel):
 
 
 class GateSettings(BaseModel):
-    """The eval gate: which eval suite measures a candidate against its parent, and the tolerated regression."""
+    """The eval gate: the eval suites that measure a candidate against its parent, each with its tolerated
+    regression, and the inference engine (a vLLM replica of the gate's own) they run through."""
 
     model_config = STRICT
 
-    suite: str = Field("arith", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
-    """Eval suite the gate runs: a plug-in of the ``flywheel.eval_suites`` entry-point group."""
+    run: list[str] = Field(default_factory=lambda: ["arith", "replay"], min_length=1, max_length=32)
+    """Eval suites the gate runs, in order (``FLYWHEEL_TRAINER__GATE__RUN='["arith","replay"]'``), each a
+    plug-in of the ``flywheel.eval_suites`` entry-point group; a candidate passes only if none regresses
+    beyond its margin. The first one is the checkpoint's headline held-out success."""
     margin: float = Field(0.05, ge=0.0, le=1.0)
-    """A candidate may be at most this much worse (held-out success rate) than its parent."""
+    """A suite's margin unless its section sets one: a candidate may score at most this much below its parent."""
     suites: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Settings of each eval suite by name (``FLYWHEEL_TRAINER__GATE__SUITES__ARITH__N=100``), validated
-    against the suite's own ``Settings`` model when the gate runs; a suite left out runs with its defaults."""
+    against the suite's own ``Settings`` model when the gate runs; a suite left out runs with its defaults.
+    The key ``margin`` (``FLYWHEEL_TRAINER__GATE__SUITES__REPLAY__MARGIN=0.08``) is that suite's margin."""
+    holdout_per_mille: int = Field(50, ge=0, le=1000)
+    """Production sessions held out of training for the replay suite: those whose
+    ``sha256(project/session_id)`` falls in the first this-many of 1000 buckets (0 holds none out)."""
+    engine_url: str | None = None
+    """Base URL (``http://host:port``, no ``/v1``) of the gate's vLLM replica, started with development mode
+    (``VLLM_SERVER_DEV_MODE=1``) and runtime LoRA loading; the gate loads each policy it evaluates into it.
+    The local stack starts one and passes it (``FLYWHEEL_TRAINER__GATE__ENGINE_URL``)."""
+    local_port: int = Field(18190, ge=1024, le=65000)
+    """Port of the local stack's gate replica (loopback only)."""
+    concurrency: int = Field(16, ge=1, le=1024)
+    """Requests the gate keeps in flight against its replica."""
+    request_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+    """Longest one generation request of the gate may take."""
+
+    @model_validator(mode="after")
+    def _suites_named_once(self) -> GateSettings:
+        twice = sorted({name for name in self.run if self.run.count(name) > 1})
+        if twice:
+            raise ValueError(f"trainer.gate.run names {twice} more than once")
+        return self
 
 
 class CheckpointSettings(BaseModel):
