@@ -38,7 +38,7 @@ app.command("up")(up_command)
 app.command("down")(down_command)
 # checkpoints, deploy, promote, rollback, canary, audit, tokens (through the admin API).
 register_serving(app)
-app.add_typer(model_app, name="model", help="The base model: check and register any Hugging Face folder, build the project's own.")
+app.add_typer(model_app, name="model", help="The base model: check or register a Hugging Face folder, build our own.")
 app.add_typer(db_app, name="db", help="Database migrations.")
 app.add_typer(ingest_app, name="ingest", help="Topics, the Kafka-to-Postgres consumer, the HTTP gateway.")
 app.add_typer(keys_app, name="keys", help="Gateway write keys per project.")
