@@ -253,8 +253,8 @@ def gate_suites(cycles: Iterable[CountedCycle]) -> dict[str, dict[str, Any]]:
     for c in cycles:
         gate = c.gate
         suites = gate.get("suites")
-        if isinstance(suites, dict) and suites:
-            out[c.checkpoint_id] = {name: _verdict(v) for name, v in suites.items()}
+        if isinstance(suites, list) and suites:
+            out[c.checkpoint_id] = {str(v.get("suite")): _verdict(v) for v in suites if isinstance(v, dict)}
         elif gate:
             name = str(gate.get("key") or "gate").split("/", 1)[0]
             out[c.checkpoint_id] = {name: _verdict(gate)}
@@ -264,12 +264,13 @@ def gate_suites(cycles: Iterable[CountedCycle]) -> dict[str, dict[str, Any]]:
 def _verdict(record: Any) -> Any:
     if not isinstance(record, dict):
         return record
-    keep = ("passed", "delta", "margin", "reason")
-    verdict = {k: record[k] for k in keep if k in record}
+    keep = ("passed", "delta", "margin", "note")
+    verdict = {k: record[k] for k in keep if record.get(k) is not None}
     for side in ("candidate", "parent"):
         value = record.get(side)
         if isinstance(value, dict) and "success_rate" in value:
             verdict[f"{side}_success"] = value["success_rate"]
+            verdict[f"{side}_n"] = value.get("n")
     return verdict or record
 
 
