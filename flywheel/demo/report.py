@@ -57,8 +57,10 @@ def plot(path: Path, snap: Snapshot, summary: dict[str, Any]) -> None:
     ax.set_ylabel("success rate")
     ax.set_xlabel("checkpoint (creation order)")
     ax.grid(alpha=0.3)
+    base, final = summary.get("base_success"), summary.get("final_success")
+    heldout = f"held-out success {base:.0%} → {final:.0%}" if base is not None and final is not None else "checkpoints"
     title = (
-        f"Flywheel: held-out success {summary.get('base_success', 0):.0%} → {summary.get('final_success', 0):.0%} "
+        f"Flywheel: {heldout} "
         f"in {summary.get('minutes', 0):.1f} min from live traffic ({summary.get('promotions', 0)} promoted, "
         f"{summary.get('rollbacks', 0)} rolled back)"
     )
