@@ -1,22 +1,47 @@
 """``make bench-train``: our training step against TRL's GRPO loss, same model, same batch, one run.
 
-The batch is real: episodes of the calculator task sampled from the project's base model
-(token-level sampling logprobs recorded, tool tokens masked out), rewarded by the task's
-outcome, advantages by RLOO over each problem's group. Each side then trains on the whole
-batch for ``--steps`` optimizer steps (forward, backward, clipping, AdamW), after one
-untimed warm-up step, in its own fresh process so that peak memory is its own:
+Two kinds of batch (``--shape``):
 
-- **ours**: ``trainer.step.train_on_batch`` (sequences packed without padding, log-probs
-  only at trained tokens, CISPO with the ratio to the behaviour logprobs);
-- **trl**: ``GRPOTrainer._compute_loss`` of TRL (``loss_type="cispo"``, the same ratio
-  cap, ``beta=0``; the batch padded the way TRL pads it: prompts left, completions
-  right, tool tokens masked with ``tool_mask``), then the same backward and AdamW.
+- ``project`` (default): the project's base model and a real batch: episodes of the
+  calculator task sampled from it (token-level sampling logprobs recorded, tool tokens masked
+  out), rewarded by the task's outcome, advantages by RLOO over each problem's group;
+- any other shape in ``SHAPES`` (``qwen3-0.6b``: Qwen3-0.6B's shape; ``tiny``: the same
+  architecture, small enough for a CPU): a randomly initialised model built from its config
+  (no hub on any machine) and a synthetic batch: random token ids with realistic prompt and
+  completion lengths (``--prompt-len``, ``--completion-len`` ranges), random behaviour
+  logprobs, advantages and loss masks.
 
-Training tokens per second count the real tokens of the batch (prompt + completion, no
-padding), the same number for both. Peak memory is the rise of the process's peak
-resident set (Linux ``VmHWM``, reset after setup) over the resident set at setup on CPU,
-``torch.cuda.max_memory_allocated`` on a GPU. The sides run interleaved, ``--rounds``
-times each; the figures are the medians. The last line is JSON.
+For each ``--modes`` entry (``full``, ``lora``) each side trains on the whole batch for
+``--steps`` optimizer steps (forward, backward, clipping, AdamW), after one untimed warm-up
+step, in its own fresh process so that peak memory is its own. Both sides load the policy the
+way the trainer does (``trainer.ckpt.load_trainable`` with ``trainer.hardware`` resolved for
+``--device``: on CUDA bf16 compute over float32 trained weights, a bf16 frozen base under LoRA,
+gradient checkpointing), so they differ only in the step:
+
+- **ours**: ``trainer.step.optimizer_step`` (sequences packed without padding, log-probs only
+  at trained tokens, CISPO with the ratio to the behaviour logprobs);
+- **trl**: ``GRPOTrainer._compute_loss`` of TRL (``loss_type="cispo"``, the same ratio cap,
+  ``beta=0``; the batch padded the way TRL pads it: prompts left, completions right, tool
+  tokens masked with ``tool_mask``), then the same backward, clipping and AdamW.
+
+Figures (the medians of ``--rounds`` interleaved runs per side):
+
+- tokens/s: the real tokens of the batch (prompt + completion, no padding), the same for both;
+- model FLOP utilisation (``mfu``): ``tokens/s x flops_per_token / peak``, with
+  ``flops_per_token = k * N + 12 * L * d_attn * s_mean`` (PaLM, appendix B): ``N`` the
+  parameters doing matmuls (all but the input embedding; a tied head counted once), ``k = 6``
+  for full fine-tuning (forward 2N, backward 4N) and ``k = 4`` for LoRA (no weight gradients of
+  the frozen base; the adapter's own FLOPs are neglected), ``L`` layers, ``d_attn`` = heads x
+  head_dim, ``s_mean`` the mean sample length. Recomputation by gradient checkpointing is not
+  counted (model FLOPs, not hardware FLOPs). ``peak``: ``--peak-tflops``, else the dense bf16
+  tensor-core peak of a known GPU (``PEAK_BF16_TFLOPS``, e.g. 989 for H100/H200 SXM); none on
+  the CPU (mfu null);
+- peak memory: the rise of the process's peak resident set (Linux ``VmHWM``, reset after
+  setup) over the resident set at setup on CPU; on a GPU the rise of
+  ``torch.cuda.max_memory_allocated`` over the allocation after setup (``peak_mb``, AdamW's
+  state included: it is created in the warm-up step) and the peak itself (``peak_total_mb``).
+
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,19 +62,70 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before bench/ itself, whose flywheel.py would shadow the package
 ROLLOUTS = ROOT / "tests" / "integration" / "test_trainer_rollouts.py"
 
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architecture": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "architecture": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": True,
+    },
+}
+"""Model shapes built from a config with random weights (Qwen3-0.6B's is its published config.json)."""
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+"""Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of the CUDA device name."""
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="trainer step vs TRL GRPO loss")
     parser.add_argument("--side", choices=["ours", "trl"], help="internal: run one side on --batch")
     parser.add_argument("--batch", type=Path, help="internal: the batch file")
-    parser.add_argument("--problems", type=int, default=32, help="problems in the batch")
-    parser.add_argument("--group", type=int, default=4, help="episodes per problem")
+    parser.add_argument("--mode", choices=["full", "lora"], default="full", help="internal: the side's mode")
+    parser.add_argument("--shape", default="project", choices=["project", *SHAPES], help="model and batch")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="trainer.hardware.device")
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="trainer.hardware.dtype"
+    )
+    parser.add_argument(
+        "--checkpointing", choices=["auto", "on", "off"], default="auto", help="trainer.hardware.gradient_checkpointing"
+    )
+    parser.add_argument("--modes", default="full", help="comma-separated: full, lora")
+    parser.add_argument("--problems", type=int, default=32, help="project shape: problems in the batch")
+    parser.add_argument("--group", type=int, default=4, help="project shape: episodes per problem")
+    parser.add_argument("--samples", type=int, default=32, help="synthetic batch: samples")
+    parser.add_argument("--prompt-len", default="128,768", help="synthetic batch: prompt length range MIN,MAX")
+    parser.add_argument("--completion-len", default="64,512", help="synthetic batch: completion length range")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side (interleaved)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak FLOP/s for the MFU (0: by GPU name)")
+    parser.add_argument("--sides", default="ours,trl", help="comma-separated sides to run")
     args = parser.parse_args()
     if args.side:
-        print(json.dumps(run_side(args.side, args.batch, args.steps, args.threads)))
+        hardware = {"device": args.device, "dtype": args.dtype, "gradient_checkpointing": args.checkpointing}
+        print(json.dumps(run_side(args.side, args.batch, args.mode, hardware, args.steps, args.threads)))
         return 0
     return orchestrate(args)
 
@@ -58,22 +134,112 @@ def main() -> int:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    """Build the batch once, run both sides interleaved, print the comparison."""
-    import trl  # noqa: F401  (fail early with a clear message if the bench extras are missing)
+    """Build the batch once, run both sides interleaved per mode, print the comparison."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not modes or set(modes) - {"full", "lora"} or not sides or set(sides) - {"ours", "trl"}:
+        raise SystemExit(
+            f"--modes takes full and/or lora, --sides ours and/or trl (got {args.modes!r}, {args.sides!r})"
+        )
+    if "trl" in sides:
+        import trl  # noqa: F401  (fail early with a clear message if the bench extras are missing)
 
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        started = time.perf_counter()
+        batch = project_batch(args) if args.shape == "project" else synthetic_batch(args, Path(tmp))
+        lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in batch["samples"]]
+        print(
+            f"batch ({args.shape}): {len(lengths)} samples, {sum(lengths)} tokens "
+            f"(mean {statistics.mean(lengths):.1f}, max {max(lengths)}), prepared in "
+            f"{time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+        path = Path(tmp) / "batch.json"
+        path.write_text(json.dumps(batch))
+        results: dict[str, dict[str, list[dict[str, Any]]]] = {m: {s: [] for s in sides} for m in modes}
+        for mode in modes:
+            for round_ in range(args.rounds):
+                for side in sides:
+                    result = run_subprocess(side, mode, path, args)
+                    results[mode][side].append(result)
+                    print(
+                        f"{mode} round {round_ + 1} {side:4s}: {result['tokens_per_s']:9.0f} tokens/s, "
+                        f"peak {result['peak_mb']:8.1f} MB, "
+                        f"loss {result['first_loss']:+.4f} -> {result['last_loss']:+.4f}",
+                        flush=True,
+                    )
+    first = next(iter(results.values()))[sides[0]][0]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(first)
+    summary: dict[str, Any] = {
+        "shape": args.shape,
+        "device": first["device"],
+        "device_name": first["device_name"],
+        "dtype": first["placement"]["dtype"],
+        "gradient_checkpointing": first["placement"]["gradient_checkpointing"],
+        "threads": first["threads"],
+        "samples": len(lengths),
+        "tokens_per_step": sum(lengths),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "flops_formula": "k*N + 12*L*d_attn*s_mean per token; k=6 full, 4 LoRA; N = matmul parameters",
+        "modes": {mode: mode_summary(results[mode], first, mode, sum(lengths) / len(lengths), peak) for mode in modes},
+    }
+    if "trl" in sides:
+        summary["trl_version"] = next(iter(results.values()))["trl"][0]["trl_version"]
+    print(json.dumps(summary))
+    return 0
+
+
+def mode_summary(
+    runs: dict[str, list[dict[str, Any]]], first: dict[str, Any], mode: str, mean_len: float, peak: float
+) -> dict[str, Any]:
+    """Medians per side, their ratios, FLOPs per token and MFU."""
+    flops = flops_per_token(first["model_stats"], mode, mean_len)
+    out: dict[str, Any] = {"flops_per_token": flops}
+    for side, rows in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rows)
+        out[f"{side}_tokens_per_s"] = round(tps, 1)
+        out[f"{side}_mfu"] = round(tps * flops / peak, 4) if peak else None
+        out[f"{side}_peak_mb"] = round(statistics.median(r["peak_mb"] for r in rows), 1)
+        if rows[0].get("peak_total_mb") is not None:
+            out[f"{side}_peak_total_mb"] = round(statistics.median(r["peak_total_mb"] for r in rows), 1)
+    if "ours" in runs and "trl" in runs:
+        out["speed_ratio"] = round(out["ours_tokens_per_s"] / out["trl_tokens_per_s"], 3)
+        out["memory_ratio"] = round(out["ours_peak_mb"] / out["trl_peak_mb"], 3) if out["trl_peak_mb"] > 0 else None
+        out["target_met"] = out["speed_ratio"] >= 1 and out["ours_peak_mb"] <= out["trl_peak_mb"]
+    return out
+
+
+def flops_per_token(stats: dict[str, int], mode: str, mean_len: float) -> float:
+    """Training FLOPs per token (see the module docstring)."""
+    k = 6 if mode == "full" else 4
+    return k * stats["matmul_params"] + 12 * stats["layers"] * stats["d_attn"] * mean_len
+
+
+def peak_flops(result: dict[str, Any]) -> float:
+    """The dense bf16 peak of the GPU the sides ran on (0 when unknown, on the CPU, or not computing in bf16)."""
+    if result["device"] != "cuda" or result["placement"]["dtype"] != "bfloat16":
+        return 0.0
+    for name, tflops in PEAK_BF16_TFLOPS.items():
+        if name in result["device_name"]:
+            return tflops * 1e12
+    return 0.0
+
+
+def project_batch(args: argparse.Namespace) -> dict[str, Any]:
+    """The project's base model and real episodes of it, RLOO advantages."""
     from flywheel.core.settings.trainer import AdvantageSettings
     from flywheel.model.build import build_model
     from trainer.advantages import AdvInput, compute_advantages
 
     model_dir = build_model()
-    rollouts = load_rollouts_module()
-    started = time.perf_counter()
-    rows = rollouts.sample_rows(model_dir, n_problems=args.problems, group_size=args.group, seed=0)
+    rows = load_rollouts_module().sample_rows(model_dir, n_problems=args.problems, group_size=args.group, seed=0)
     adv = compute_advantages(
         [AdvInput(r["session_id"], r["group_key"], r["task"], r["reward"]) for r in rows],
         AdvantageSettings(group="rloo", norm="batch"),
     )
-    batch = {
+    return {
         "model_dir": str(model_dir),
         "samples": [
             {
@@ -87,49 +253,54 @@ def orchestrate(args: argparse.Namespace) -> int:
             for r, a in zip(rows, adv.advantages)
         ],
     }
-    lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in batch["samples"]]
-    print(
-        f"batch: {len(rows)} samples, {sum(lengths)} tokens (mean {statistics.mean(lengths):.1f}, max {max(lengths)}), "
-        f"mean reward {statistics.mean(r['reward'] for r in rows):.3f}, "
-        f"sampled in {time.perf_counter() - started:.1f} s",
-        flush=True,
+
+
+def synthetic_batch(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """A randomly initialised model of ``args.shape`` saved under ``tmp``, and a random batch for it."""
+    import random
+
+    shape = SHAPES[args.shape]
+    model_dir = build_random_model(shape, tmp / "model")
+    rng = random.Random(0)
+    p_lo, p_hi = (int(x) for x in args.prompt_len.split(","))
+    c_lo, c_hi = (int(x) for x in args.completion_len.split(","))
+    vocab = shape["vocab_size"]
+    samples = []
+    for _ in range(args.samples):
+        n_prompt, n_completion = rng.randint(p_lo, p_hi), rng.randint(c_lo, c_hi)
+        samples.append(
+            {
+                "prompt_ids": [rng.randrange(1, vocab) for _ in range(n_prompt)],
+                "completion_ids": [rng.randrange(1, vocab) for _ in range(n_completion)],
+                # Mostly model tokens, a few masked spans (tool output inside a turn).
+                "mask": [0 if rng.random() < 0.1 else 1 for _ in range(n_completion)],
+                "behaviour": [-rng.expovariate(1.0) for _ in range(n_completion)],
+                "advantage": rng.gauss(0.0, 1.0),
+                "reward": rng.random(),
+            }
+        )
+    return {"model_dir": str(model_dir), "samples": samples}
+
+
+def build_random_model(shape: dict[str, Any], folder: Path) -> Path:
+    """Save a seeded random model of ``shape`` and a minimal tokenizer (a pad token) into ``folder``."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    fields = {k: v for k, v in shape.items() if k != "architecture"}
+    config = AutoConfig.for_model(shape["architecture"], **fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2}, unk_token="<pad>")),
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
     )
-    results: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        path = Path(tmp) / "batch.json"
-        path.write_text(json.dumps(batch))
-        for round_ in range(args.rounds):
-            for side in ("ours", "trl"):
-                result = run_subprocess(side, path, args)
-                results[side].append(result)
-                print(
-                    f"round {round_ + 1} {side:4s}: {result['tokens_per_s']:8.0f} tokens/s, "
-                    f"peak {result['peak_mb']:7.1f} MB, "
-                    f"loss {result['first_loss']:+.4f} -> {result['last_loss']:+.4f}",
-                    flush=True,
-                )
-    ours_tps = statistics.median(r["tokens_per_s"] for r in results["ours"])
-    trl_tps = statistics.median(r["tokens_per_s"] for r in results["trl"])
-    ours_mb = statistics.median(r["peak_mb"] for r in results["ours"])
-    trl_mb = statistics.median(r["peak_mb"] for r in results["trl"])
-    summary = {
-        "ours_tokens_per_s": round(ours_tps, 1),
-        "trl_tokens_per_s": round(trl_tps, 1),
-        "speed_ratio": round(ours_tps / trl_tps, 3),
-        "ours_peak_mb": round(ours_mb, 1),
-        "trl_peak_mb": round(trl_mb, 1),
-        "memory_ratio": round(ours_mb / trl_mb, 3) if trl_mb > 0 else None,
-        "samples": len(rows),
-        "tokens_per_step": sum(lengths),
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "device": results["ours"][0]["device"],
-        "threads": results["ours"][0]["threads"],
-        "trl_version": results["trl"][0]["trl_version"],
-        "target_met": ours_tps >= trl_tps and ours_mb <= trl_mb,
-    }
-    print(json.dumps(summary))
-    return 0
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def load_rollouts_module() -> Any:
@@ -141,13 +312,21 @@ def load_rollouts_module() -> Any:
     return module
 
 
-def run_subprocess(side: str, batch: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_subprocess(side: str, mode: str, batch: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One side in a fresh interpreter; its last stdout line is its JSON result."""
     command = [
         sys.executable,
         __file__,
         "--side",
         side,
+        "--mode",
+        mode,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--checkpointing",
+        args.checkpointing,
         "--batch",
         str(batch),
         "--steps",
@@ -157,29 +336,40 @@ def run_subprocess(side: str, batch: Path, args: argparse.Namespace) -> dict[str
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"})
     if done.returncode != 0:
-        raise RuntimeError(f"{side} side failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{side} side ({mode}) failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- one side
 
 
-def run_side(side: str, batch_path: Path, steps: int, threads: int) -> dict[str, Any]:
-    """Load the model and batch, reset the memory peak, warm up once, time ``steps`` steps."""
+def run_side(
+    side: str, batch_path: Path, mode: str, hardware: dict[str, str], steps: int, threads: int
+) -> dict[str, Any]:
+    """Load the policy as the trainer does, reset the memory peak, warm up once, time ``steps`` steps."""
+    from dataclasses import asdict
+
     import torch
+
+    from flywheel.core.settings.trainer import HardwareSettings, LoraSettings
+    from trainer.ckpt import PolicyRef, load_trainable
+    from trainer.parallel import resolve
 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     batch = json.loads(batch_path.read_text())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from flywheel.model.eval import load_policy
-
-    model, tokenizer = load_policy(batch["model_dir"])
-    model.to(device)
+    placement = resolve(HardwareSettings(**hardware))
+    parent = PolicyRef("bench", "bench", batch["model_dir"], "full", batch["model_dir"])
+    model, tokenizer, _ = load_trainable(parent, mode, LoraSettings(), 0, placement)  # type: ignore[arg-type]
+    device = placement.torch_device()
     samples = batch["samples"]
     tokens = sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples)
-    step = make_ours(model, tokenizer, samples) if side == "ours" else make_trl(model, tokenizer, samples, device)
+    step = (
+        make_ours(model, tokenizer, samples)
+        if side == "ours"
+        else make_trl(model, tokenizer, samples, device, placement.gradient_checkpointing)
+    )
     baseline = reset_peak(device)
     losses = [step()]  # warm-up, untimed
     started = time.perf_counter()
@@ -190,18 +380,48 @@ def run_side(side: str, batch_path: Path, steps: int, threads: int) -> dict[str,
     seconds = time.perf_counter() - started
     out = {
         "side": side,
+        "mode": mode,
         "tokens_per_s": tokens * steps / seconds,
         "peak_mb": peak_mb(device, baseline),
+        "peak_total_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "device": device.type,
+        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "placement": asdict(placement),
         "threads": torch.get_num_threads(),
+        "model_stats": model_stats(model),
     }
     if side == "trl":
         import trl
 
         out["trl_version"] = trl.__version__
     return out
+
+
+def model_stats(model: Any) -> dict[str, int]:
+    """Parameters doing matmuls (all but the input embedding; a tied head once), layers, heads x head_dim."""
+    from trainer.parallel import causal_lm
+
+    lm = causal_lm(model)
+    config = lm.config
+    embedding = lm.get_input_embeddings().weight
+    head = lm.get_output_embeddings().weight
+    seen: set[int] = set()
+    total = 0
+    for name, param in lm.named_parameters():
+        if id(param) in seen or ".lora_" in name:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+    if head is not embedding:
+        total -= embedding.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "matmul_params": total,
+        "layers": config.num_hidden_layers,
+        "d_attn": config.num_attention_heads * head_dim,
+    }
 
 
 def make_ours(model: Any, tokenizer: Any, samples: list[dict[str, Any]]) -> Any:
@@ -216,8 +436,15 @@ def make_ours(model: Any, tokenizer: Any, samples: list[dict[str, Any]]) -> Any:
         for i, s in enumerate(samples)
     ]
     loss = LossSettings(kind="cispo", is_ratio_max=2.0)
-    # The whole batch in one micro-batch: the largest token budget the settings allow.
-    step = StepSettings(learning_rate=1e-4, mini_batch_samples=len(samples), micro_batch_tokens=10_000_000)
+    # The whole batch in one micro-batch: the largest token budget the settings allow; rows as long
+    # as the longest sample.
+    longest = max(s.length for s in step_samples)
+    step = StepSettings(
+        learning_rate=1e-4,
+        mini_batch_samples=len(samples),
+        micro_batch_tokens=10_000_000,
+        pack_row_tokens=max(256, longest),
+    )
     module = make_logprob_module(model, step.sampling_temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=step.learning_rate)
@@ -233,8 +460,12 @@ def make_ours(model: Any, tokenizer: Any, samples: list[dict[str, Any]]) -> Any:
     return run
 
 
-def make_trl(model: Any, tokenizer: Any, samples: list[dict[str, Any]], device: Any) -> Any:
-    """One call = TRL's GRPO (CISPO) loss on the padded batch, backward, clipping, AdamW."""
+def make_trl(model: Any, tokenizer: Any, samples: list[dict[str, Any]], device: Any, checkpointing: bool) -> Any:
+    """One call = TRL's GRPO (CISPO) loss on the padded batch, backward, clipping, AdamW.
+
+    The model arrives placed as ours (device, autocast, gradient checkpointing); TRL is told the
+    same checkpointing and no mixed precision of its own.
+    """
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -253,6 +484,8 @@ def make_trl(model: Any, tokenizer: Any, samples: list[dict[str, Any]], device: 
         use_cpu=device.type == "cpu",
         bf16=False,
         fp16=False,
+        gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=10**6,
         save_strategy="no",
         disable_tqdm=True,
