@@ -385,17 +385,28 @@ def mp_policy(placement: Placement) -> Any:
     return MixedPrecisionPolicy(param_dtype=placement.compute_dtype(), reduce_dtype=torch.float32)
 
 
-def shard_policy(model: torch.nn.Module, policy: Any) -> None:
+@functools.cache
+def data_mesh(device_type: str) -> Any:
+    """The 1-D mesh of all ranks on ``device_type`` (FSDP's default would pick CUDA whenever a GPU
+    exists, even for a CPU run over gloo)."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (tdist.get_world_size(),))
+
+
+def shard_policy(model: torch.nn.Module, policy: Any, device_type: str) -> None:
     """``fully_shard`` each decoder layer, then the modules outside them as one group (not the root)."""
     from torch.distributed.fsdp import fully_shard
 
+    mesh = data_mesh(device_type)
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     inside = {id(p) for layer in layers for p in layer.parameters()}
     rest = [m for m in model.modules() if any(id(p) not in inside for p in m.parameters(recurse=False))]
     if rest:
-        fully_shard(rest if len(rest) > 1 else rest[0], mp_policy=policy)
+        fully_shard(rest if len(rest) > 1 else rest[0], mesh=mesh, mp_policy=policy)
 
 
 def wrap_for_dist(module: torch.nn.Module, strategy: str, world: int) -> torch.nn.Module:
@@ -414,9 +425,10 @@ def wrap_for_dist(module: torch.nn.Module, strategy: str, world: int) -> torch.n
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = module.policy
+        device_type = next(policy.parameters()).device.type
         if not is_sharded(policy):
-            shard_policy(policy, MixedPrecisionPolicy())
-        fully_shard(module)
+            shard_policy(policy, MixedPrecisionPolicy(), device_type)
+        fully_shard(module, mesh=data_mesh(device_type))
         return module
     raise ValueError(f"unknown distributed strategy {strategy!r}")
 
@@ -492,7 +504,7 @@ def load_sharded(
     if placement.gradient_checkpointing:
         enable_checkpointing(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    shard_policy(model, mp_policy(placement))
+    shard_policy(model, mp_policy(placement), placement.device)
     model.to_empty(device=placement.torch_device())
     with torch.no_grad():
         for name, buffer in model.named_buffers():
