@@ -85,6 +85,7 @@ def main() -> int:
             kafka={"local_port": base},
             vllm={"base_port": base + 10},
             serving={"router_port": base + 20, "admin_port": base + 21},
+            trainer={"gate": {"local_port": base + 30}},
         ),
     )
     figures: dict[str, Any] = {}
