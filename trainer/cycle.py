@@ -404,7 +404,11 @@ def train(
     if t.distributed.nproc_per_node == 1:
         result = train_on_batch(model, samples, t.step, t.loss, pad_id, deadline=deadline, on_step=on_step)
         return result, model
+    # The workers load the parent themselves: release this process's copy (in place, so the
+    # caller's reference holds no storage either; on a GPU it would sit beside the workers).
+    model.to("meta")
     del model
+    _release_device_memory()
     remaining = max(deadline - time.monotonic(), 1.0)
     result, trained_dir = distributed.launch(parent, samples, t, root, timeout_s=remaining)
     try:
@@ -414,6 +418,14 @@ def train(
     for step_metrics in result.steps:
         on_step(step_metrics)
     return result, trained
+
+
+def _release_device_memory() -> None:
+    """Return cached CUDA blocks to the device (nothing without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def training_config(t: TrainerSettings) -> dict[str, Any]:

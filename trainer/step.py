@@ -218,20 +218,45 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def split_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Consecutive groups of indices whose total length stays within ``budget`` (at least one each)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for i, n in enumerate(lengths):
-        if current and total + n > budget:
+def split_micro_batches(lengths: Sequence[int], budget: int, row_tokens: int | None = None) -> list[list[int]]:
+    """Groups of indices whose micro-batch stays within ``budget`` tokens (at least one index each).
+
+    Without ``row_tokens`` a group's size is its real tokens, taken in order. With it, a group's
+    size is the packed tensor it becomes (``rows x width`` of :func:`pack_rows`, padding
+    included), and the indices are taken longest first so long samples share micro-batches with
+    long ones: every micro-batch is then at most ``max(budget, its longest sample)`` tokens, so
+    memory is bounded by the budget (or, for a sample longer than the budget, by that sample
+    alone, which is never split) whatever the batch.
+    """
+    if row_tokens is None:
+        groups: list[list[int]] = []
+        current: list[int] = []
+        total = 0
+        for i, n in enumerate(lengths):
+            if current and total + n > budget:
+                groups.append(current)
+                current, total = [], 0
+            current.append(i)
+            total += n
+        if current:
             groups.append(current)
-            current, total = [], 0
+        return groups
+    groups = []
+    current = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if current and packed_size([lengths[j] for j in (*current, i)], row_tokens) > budget:
+            groups.append(current)
+            current = []
         current.append(i)
-        total += n
     if current:
         groups.append(current)
     return groups
+
+
+def packed_size(lengths: Sequence[int], row_tokens: int) -> int:
+    """Elements of the tensor that :func:`build_micro_batch` makes of sequences of ``lengths`` (padding included)."""
+    rows = pack_rows(lengths, row_tokens)
+    return len(rows) * max(sum(lengths[i] for i in row) for row in rows)
 
 
 def build_micro_batch(
@@ -297,7 +322,7 @@ def micro_batches(
     samples: Sequence[StepSample], step: StepSettings, pad_id: int, device: torch.device | None = None
 ) -> list[MicroBatch]:
     """``samples`` split by the token budget, each split packed (and moved to ``device``)."""
-    groups = split_micro_batches([s.length for s in samples], step.micro_batch_tokens)
+    groups = split_micro_batches([s.length for s in samples], step.micro_batch_tokens, step.pack_row_tokens)
     batches = [
         build_micro_batch([samples[i] for i in g], step.pack_row_tokens, pad_id, step.sampling_temperature)
         for g in groups

@@ -129,7 +129,7 @@ def check_logprobs(
         import torch
 
         device = next(model.parameters()).device
-        groups = split_micro_batches([s.length for s in step_samples], micro_batch_tokens)
+        groups = split_micro_batches([s.length for s in step_samples], micro_batch_tokens, pack_row_tokens)
         batches = [
             build_micro_batch([step_samples[k] for k in g], pack_row_tokens, pad_id, default_temperature).to(device)
             for g in groups
