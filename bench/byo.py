@@ -20,7 +20,9 @@ The last line is one JSON object:
   (:mod:`trainer.truth`); target <= 1e-3;
 - ``version_truth_max_abs_diff``: for the samples of each swapped checkpoint (by their recorded
   policy version), the logged logprobs against a plain transformers recomputation under the
-  weights of that checkpoint's folder (LoRA merged over its base); target <= 1e-3;
+  weights of that checkpoint's folder (LoRA merged over its base); target <= 1e-3
+  (``version_truth_outside_support``: tokens served that the recomputed top-k / top-p excludes,
+  an infinite difference; target 0);
 - ``gate_suites``: per counted checkpoint, the suites its gate ran and their verdicts;
 - ``seconds``, ``targets_met``.
 """
@@ -112,6 +114,7 @@ def main() -> int:
         out.get("cycles_trained", 0) >= config.cycles
         and _within(out.get("step0_max_abs_log_ratio"))
         and _within(out.get("version_truth_max_abs_diff"))
+        and out.get("version_truth_outside_support") == 0
     )
     print(json.dumps(out))
     return 0
@@ -133,6 +136,7 @@ def measure(engine: Any, config: byo.ByoConfig, summary: dict[str, Any]) -> dict
         "step0_excluded": step0["excluded"],
         "version_truth_max_abs_diff": truth["max_abs_diff"],
         "version_truth_tokens": truth["tokens"],
+        "version_truth_outside_support": truth["outside_support"],
         "version_truth": {k: v["max_abs_diff"] for k, v in truth["checkpoints"].items()},
         "sampling_recorded": truth["sampling_recorded"],
         "gate_suites": byo.gate_suites(counted),

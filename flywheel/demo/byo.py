@@ -377,26 +377,32 @@ def version_truth(
 
     The samples are those whose recorded policy version is the checkpoint's; the weights are
     loaded from the checkpoint folder its registry row names (a LoRA adapter merged over its
-    base). Returns the largest difference over all of them, per checkpoint and overall.
+    base). Returns the largest difference over all of them, per checkpoint and overall, and
+    ``outside_support``: tokens that serving sampled but the recomputed top-k / top-p leaves out
+    (an infinite difference, counted apart so the figure stays a number).
     """
     default = default or Sampling()
     per: dict[str, Any] = {}
     worst = 0.0
     tokens = 0
+    outside = 0
     for c in cycles:
         samples = logged_samples(engine, c.policy_version, per_version)
         if not samples:
-            per[c.checkpoint_id] = {"samples": 0, "tokens": 0, "max_abs_diff": None}
+            per[c.checkpoint_id] = {"samples": 0, "tokens": 0, "max_abs_diff": None, "outside_support": 0}
             continue
         model = load_plain(c.path, c.format, c.base_model)
         diffs = [d for s in samples for d in sample_diffs(model, s, default)]
         del model
-        top = max(diffs, default=0.0)
-        per[c.checkpoint_id] = {"samples": len(samples), "tokens": len(diffs), "max_abs_diff": top}
-        worst, tokens = max(worst, top), tokens + len(diffs)
+        finite = [d for d in diffs if math.isfinite(d)]
+        top = max(finite, default=0.0)
+        per[c.checkpoint_id] = {"samples": len(samples), "tokens": len(diffs), "max_abs_diff": top,
+                                "outside_support": len(diffs) - len(finite)}  # fmt: skip
+        worst, tokens, outside = max(worst, top), tokens + len(diffs), outside + len(diffs) - len(finite)
     checked = [v for v in per.values() if v["samples"]]
     return {
         "max_abs_diff": worst if checked else None,
+        "outside_support": outside,
         "tokens": tokens,
         "checkpoints": per,
         "sampling_recorded": _sampling_recorded(engine),
