@@ -22,6 +22,7 @@ from conftest import WARMUP_TIMEOUT_S, make_settings
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from flywheel.core import vllm_admin
 from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
@@ -30,7 +31,7 @@ from flywheel.stack import endpoints
 from flywheel.stack.base import log_dir, log_tail
 from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
-from serving.fleet import swap, vllm_admin
+from serving.fleet import swap
 from serving.fleet.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
 from serving.fleet.registry import ensure_fleet, fleet_lock, fleet_status
 from serving.fleet.strategies import Target, get_strategy
