@@ -347,7 +347,7 @@ class Router:
             self._failure(url, "probe", f"{type(err).__name__}: {err}")
         else:
             self.models[url] = ids
-            if health.probe_ok(None if version is None else str(version)):
+            if health.probe_ok(None if version is None else str(version), ids):
                 self.metrics.rejoins.labels(url).inc()
                 log.warning("router: replica %s answers again (weight version %s): back in rotation", url, version)
         finally:
@@ -430,9 +430,10 @@ class Router:
                 parts.append(f"{row.url} not probed yet")
             elif health.ejected:
                 parts.append(f"{row.url} ejected ({health.last_error})")
-            elif health.weight_version != row.policy_version:
+            elif health.weight_version != row.policy_version and row.policy_version not in health.models:
                 parts.append(
-                    f"{row.url} reports weight version {health.weight_version!r}, its row says {row.policy_version!r}"
+                    f"{row.url} reports weight version {health.weight_version!r} and no adapter of that name, "
+                    f"its row says {row.policy_version!r}"
                 )
             else:
                 parts.append(f"{row.url} tried already")

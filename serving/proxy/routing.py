@@ -109,6 +109,8 @@ class ReplicaHealth:
         self.probed = False
         self.weight_version: str | None = None
         """What ``/weight_info`` answered at the last successful probe."""
+        self.models: tuple[str, ...] = ()
+        """The model names ``/v1/models`` listed at the last successful probe (the base, loaded LoRA adapters)."""
         self.last_error: str | None = None
 
     @property
@@ -116,13 +118,14 @@ class ReplicaHealth:
         """Probed successfully at least once and not ejected."""
         return self.probed and not self.ejected
 
-    def probe_ok(self, weight_version: str | None) -> bool:
+    def probe_ok(self, weight_version: str | None, models: Iterable[str] = ()) -> bool:
         """Record a passing probe; returns whether this ended an ejection."""
         rejoined = self.ejected
         self.failures = 0
         self.ejected = False
         self.probed = True
         self.weight_version = weight_version
+        self.models = tuple(models)
         self.last_error = None
         return rejoined
 
@@ -231,13 +234,14 @@ class Routes:
 
 
 def routable(row: ReplicaRow, health: ReplicaHealth | None) -> bool:
-    """Whether new requests may go to the replica of ``row``."""
+    """Whether new requests may go to the replica of ``row``: serving, healthy, and serving its version,
+    as its weights (``/weight_info``, full checkpoints) or as a loaded LoRA adapter (``/v1/models``)."""
     return (
         row.state == "serving"
         and row.policy_version is not None
         and health is not None
         and health.healthy
-        and health.weight_version == row.policy_version
+        and (health.weight_version == row.policy_version or row.policy_version in health.models)
     )
 
 

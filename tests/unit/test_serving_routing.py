@@ -62,6 +62,17 @@ def test_raising_the_canary_weight_only_moves_sessions_from_stable_to_canary() -
     assert 0.45 < roles[0.5].count("canary") / len(sessions) < 0.55
 
 
+def test_a_replica_serving_its_version_as_a_lora_adapter_is_routable() -> None:
+    """A LoRA swap loads the adapter beside the base: the weight version stays the base's, and the
+    replica serves the row's version under the adapter's name (listed by ``/v1/models``)."""
+    t = table(replicas=[(A, "serving", "c1-lora"), (B, "serving", "c1-lora")])
+    with_adapter, without = ReplicaHealth(2), ReplicaHealth(2)
+    with_adapter.probe_ok("base-1", ["base-1", "c1-lora"])
+    without.probe_ok("base-1", ["base-1"])
+    assert routable(t.replicas[0], with_adapter)
+    assert not routable(t.replicas[1], without)
+
+
 def test_routable_needs_serving_row_passing_probe_and_matching_weight_version() -> None:
     t = table(replicas=[(A, "serving", "v1"), (B, "draining", "v1"), (C, "serving", "v1")])
     health = healthy(t, {C: "v0"})
