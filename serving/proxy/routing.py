@@ -246,12 +246,22 @@ def routable(row: ReplicaRow, health: ReplicaHealth | None) -> bool:
 
 
 def build_routes(table: RoutingTable, health: Mapping[str, ReplicaHealth]) -> Routes:
-    """Group the routable replicas of ``table`` by the policy version they serve."""
+    """Group the routable replicas of ``table`` by the policy versions they serve.
+
+    A replica serves its row's version and, beside it, every deployed version it has loaded as a
+    LoRA adapter (a LoRA swap loads the adapter next to the base and leaves the row's version as
+    it was): ``/v1/models`` lists those under their policy version.
+    """
     routes = Routes(table=table)
+    deployed = {entry.policy_version for entry in table.deployments.values()}
     for row in table.replicas:
-        if routable(row, health.get(row.url)):
-            view = ReplicaView(row.url, row.policy_version or "")
-            routes.by_version.setdefault(view.policy_version, []).append(view)
+        state = health.get(row.url)
+        if state is None or not routable(row, state):
+            continue
+        versions = [row.policy_version or ""]
+        versions += sorted(v for v in deployed if v in state.models and v not in versions)
+        for version in versions:
+            routes.by_version.setdefault(version, []).append(ReplicaView(row.url, version))
     return routes
 
 

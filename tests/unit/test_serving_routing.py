@@ -73,6 +73,16 @@ def test_a_replica_serving_its_version_as_a_lora_adapter_is_routable() -> None:
     assert not routable(t.replicas[1], without)
 
 
+def test_a_lora_canary_loaded_beside_the_base_gets_routes() -> None:
+    """A LoRA swap leaves the row's version on the base and lists the adapter in /v1/models."""
+    t = table(replicas=[(A, "serving", "v1"), (B, "serving", "v1")])  # canary v2 is an adapter on B
+    health = healthy(t)
+    health[B].probe_ok("v1", ["v1", "v2", "old-adapter"])
+    routes = build_routes(t, health)
+    assert {v: [r.url for r in views] for v, views in routes.by_version.items()} == {"v1": [A, B], "v2": [B]}
+    assert routes.role_of("v2") == "canary"
+
+
 def test_routable_needs_serving_row_passing_probe_and_matching_weight_version() -> None:
     t = table(replicas=[(A, "serving", "v1"), (B, "draining", "v1"), (C, "serving", "v1")])
     health = healthy(t, {C: "v0"})
