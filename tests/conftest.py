@@ -207,8 +207,10 @@ def vllm_replica(stack_settings: Settings, base_model_dir: Path) -> Iterator[Vll
 
 @pytest.fixture(scope="session")
 def gate_engine_url(stack_settings: Settings, base_model_dir: Path) -> Iterator[str]:
-    """URL of a running eval-gate replica (:mod:`flywheel.stack.gate`) holding the base model, warmed up."""
-    state = up(stack_settings, ["gate"], model_dir=base_model_dir)
+    """URL of a running eval-gate replica (:mod:`flywheel.stack.gate`) holding the base model, warmed up;
+    with runtime LoRA loading (``vllm.enable_lora``), so LoRA checkpoints gate through it too."""
+    with_lora = stack_settings.model_copy(update={"vllm": stack_settings.vllm.model_copy(update={"enable_lora": True})})
+    state = up(with_lora, ["gate"], model_dir=base_model_dir)
     try:
         record = state.components["vllm-gate"]
         warm = httpx.post(

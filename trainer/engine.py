@@ -138,7 +138,11 @@ class VllmEngine:
             else:
                 raise EngineError(f"checkpoint {policy.id}: unknown format {policy.format!r}")
         except (vllm_admin.VllmAdminError, vllm_admin.CheckpointInvalid) as err:
-            raise EngineError(f"loading checkpoint {policy.id} ({policy.format}) into {self.url}: {err}") from err
+            hint = ""
+            if policy.format == "lora" and isinstance(err, vllm_admin.VllmAdminError) and err.status == 404:
+                hint = " (the replica loads no LoRA adapters: start it with --enable-lora and "
+                hint += "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+            raise EngineError(f"loading checkpoint {policy.id} ({policy.format}) into {self.url}: {err}{hint}") from err
         try:
             yield ServedPolicy(self, policy, model)
         finally:

@@ -4,8 +4,11 @@ The trainer's eval gate (:mod:`trainer.engine`) loads each policy it evaluates i
 replica of its own, never into one that serves traffic: full checkpoints by reloading the
 weights in place, LoRA checkpoints as runtime adapters. Locally that replica is started like
 the fleet's (:class:`~flywheel.stack.vllm.VllmReplica`: development mode, the same dtype,
-context length, KV cache and niceness, bound to loopback) with runtime LoRA loading always on,
-on ``trainer.gate.local_port``; a configured ``trainer.gate.engine_url`` is used instead.
+context length, KV cache and niceness, bound to loopback) on ``trainer.gate.local_port``, with
+runtime LoRA loading when the trainer writes LoRA checkpoints (``trainer.mode``) or the fleet
+loads adapters (``vllm.enable_lora``); a configured ``trainer.gate.engine_url`` is used instead.
+(vLLM 0.32 refuses LoRA for some architectures, GPT-2's among them: a full-mode gate of such a
+model starts without it.)
 
 Idle, it costs little: an idle vLLM server waits on its sockets. Its CPU binding is the next
 core after the fleet's replicas (round robin), and it works only while a cycle evaluates,
@@ -43,7 +46,7 @@ class GateReplica(VllmReplica):
 
     @property
     def lora(self) -> bool:
-        return True
+        return self.settings.trainer.mode == "lora" or self.settings.vllm.enable_lora
 
     def initial_version(self, model_dir: Path, served: str) -> str:
         """The folder's resolved path: the weight version the gate's engine sets for the weights it reloads."""

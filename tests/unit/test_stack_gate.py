@@ -20,9 +20,20 @@ def test_the_full_stack_plans_a_gate_replica_of_its_own(tmp_path):
     plan = _plan(settings, parse_components(None), tmp_path)
     [gate] = [c for c in plan if isinstance(c, GateReplica)]
     assert [c.name for c in plan if c.kind == "vllm"] == ["vllm-0", "vllm-1"]
-    assert (gate.name, gate.kind, gate.port, gate.lora, gate.configured_url) == ("vllm-gate", "gate", 18777, True, None)
+    assert (gate.name, gate.kind, gate.port, gate.lora, gate.configured_url) == (
+        "vllm-gate",
+        "gate",
+        18777,
+        False,
+        None,
+    )
     assert gate.initial_version(tmp_path, "base-x") == str(tmp_path.resolve())  # the engine's weight tag
     assert not [c for c in _plan(settings, ("vllm",), tmp_path) if isinstance(c, GateReplica)]
+    # runtime LoRA loading when the trainer writes adapters or the fleet loads them
+    assert GateReplica(
+        settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"mode": "lora"})})
+    ).lora
+    assert GateReplica(Settings(environment="test", run_dir=tmp_path, vllm={"enable_lora": True})).lora
 
 
 def test_a_configured_gate_replica_is_used_and_never_started(tmp_path):
