@@ -35,7 +35,7 @@ TASK = "trainer.train_cycle"
 FAST = {
     "data": {"min_samples": 16, "window_settle_s": 0.0},
     # the held-out split off: these tests train on exactly the rows they insert (tests/unit/test_trainer_gate.py
-    # and tests/integration/test_trainer_gate.py test the split and the replay suite)
+    # and tests/integration/test_trainer_gate_engine.py test the split and the replay suite)
     "gate": {"suites": {"arith": {"n": 32}}, "holdout_per_mille": 0},
     "step": {"learning_rate": 3e-4, "epochs": 1, "mini_batch_samples": 24, "show_progress": False, "torch_threads": 2},
     "schedule": {"time_limit_s": 600.0},
