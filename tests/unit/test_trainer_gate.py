@@ -2,7 +2,7 @@
 
 The arith suite runs here against an in-memory stand-in for a served policy (a scripted chat
 backend), to test what it does with answers (episodes, seeds, the summary); the gate through a
-real vLLM replica is tested in tests/integration/test_trainer_gate.py.
+real vLLM replica is tested in tests/integration/test_trainer_gate_engine.py.
 """
 
 from __future__ import annotations
