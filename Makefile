@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo   - set up, start the local stack, run the main job, shut down"
 	@echo "make test   - set up, start what the tests need, run the lint checks and the whole test suite"
-	@echo "make lint   - the layer contracts (lint-imports), ruff check and ruff format --check"
+	@echo "make lint   - unique test basenames, the layer contracts (lint-imports), ruff check, ruff format --check"
 	@echo "make up / make down / make status - the local stack alone"
 	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
 	@echo "make bench-byo MODEL=PATH - the real loop on any causal-LM folder (bench/byo.py)"
@@ -48,6 +48,8 @@ demo: setup
 
 # The layers (import-linter contracts in pyproject.toml, see docs/architecture.md) and ruff.
 lint: setup
+	@dupes=$$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d); \
+	  test -z "$$dupes" || { echo "error: test basenames must be unique (pytest collects them as one module): $$dupes"; exit 1; }
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
