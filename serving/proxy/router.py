@@ -430,7 +430,7 @@ class Router:
                 parts.append(f"{row.url} not probed yet")
             elif health.ejected:
                 parts.append(f"{row.url} ejected ({health.last_error})")
-            elif health.weight_version != row.policy_version and row.policy_version not in health.models:
+            elif health.weight_version != row.policy_version and row.policy_version not in health.models[1:]:
                 parts.append(
                     f"{row.url} reports weight version {health.weight_version!r} and no adapter of that name, "
                     f"its row says {row.policy_version!r}"

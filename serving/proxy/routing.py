@@ -110,7 +110,8 @@ class ReplicaHealth:
         self.weight_version: str | None = None
         """What ``/weight_info`` answered at the last successful probe."""
         self.models: tuple[str, ...] = ()
-        """The model names ``/v1/models`` listed at the last successful probe (the base, loaded LoRA adapters)."""
+        """The model names ``/v1/models`` listed at the last successful probe: the served base name first (it
+        stays the same whatever weights a full swap reloads), then the loaded LoRA adapters."""
         self.last_error: str | None = None
 
     @property
@@ -241,7 +242,7 @@ def routable(row: ReplicaRow, health: ReplicaHealth | None) -> bool:
         and row.policy_version is not None
         and health is not None
         and health.healthy
-        and (health.weight_version == row.policy_version or row.policy_version in health.models)
+        and (health.weight_version == row.policy_version or row.policy_version in health.models[1:])
     )
 
 
@@ -259,7 +260,7 @@ def build_routes(table: RoutingTable, health: Mapping[str, ReplicaHealth]) -> Ro
         if state is None or not routable(row, state):
             continue
         versions = [row.policy_version or ""]
-        versions += sorted(v for v in deployed if v in state.models and v not in versions)
+        versions += sorted(v for v in deployed if v in state.models[1:] and v not in versions)
         for version in versions:
             routes.by_version.setdefault(version, []).append(ReplicaView(row.url, version))
     return routes

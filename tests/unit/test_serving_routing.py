@@ -83,6 +83,15 @@ def test_a_lora_canary_loaded_beside_the_base_gets_routes() -> None:
     assert routes.role_of("v2") == "canary"
 
 
+def test_the_served_base_name_is_not_an_adapter() -> None:
+    """A full swap reloads weights under the same served name: that replica must not take the stable's traffic."""
+    t = table(replicas=[(A, "serving", "v1"), (B, "serving", "v2")])
+    health = healthy(t)
+    health[B].probe_ok("v2", ["v1"])  # served as "v1" (the base name), weights of v2
+    routes = build_routes(t, health)
+    assert {v: [r.url for r in views] for v, views in routes.by_version.items()} == {"v1": [A], "v2": [B]}
+
+
 def test_routable_needs_serving_row_passing_probe_and_matching_weight_version() -> None:
     t = table(replicas=[(A, "serving", "v1"), (B, "draining", "v1"), (C, "serving", "v1")])
     health = healthy(t, {C: "v0"})
