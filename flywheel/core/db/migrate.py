@@ -9,13 +9,17 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine
 
-ROOT = Path(__file__).resolve().parents[3]
-MIGRATIONS = ROOT / "migrations"
+HERE = Path(__file__).resolve().parent
+ALEMBIC_INI = HERE / "alembic.ini"
+"""Alembic's configuration (logging and file template), shipped inside the package."""
+MIGRATIONS = HERE / "migrations"
+"""The migration scripts (env.py, script.py.mako, versions/), shipped inside the package: a wheel
+installed anywhere finds them beside this module, as a checkout does."""
 
 
 def alembic_config(url: str) -> Config:
     """An Alembic config for the project's migrations against ``url``."""
-    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg = Config(str(ALEMBIC_INI))
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
