@@ -27,6 +27,9 @@ $(STAMP): $(LOCK) pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11'"; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r $(LOCK)
+	@# The distribution was named "flywheel" before it became flywheel-rl: a venv made then still holds
+	@# that install: its metadata (plug-in entry points, commands, its own editable finder) would stay beside the new one.
+	@! $(PY) -m pip show --quiet flywheel 2>/dev/null || $(PY) -m pip uninstall --quiet --disable-pip-version-check -y flywheel
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@$(PY) -c "import flywheel, ingest, rewarding, trainer, serving" || { echo "error: the installed package does not import"; exit 1; }
 	@touch $(STAMP)

@@ -24,7 +24,7 @@ try:  # this module is imported only when the kafka transport is chosen (flywhee
     from kafka.errors import InvalidTopicError, KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
     from kafka.partitioner.default import DefaultPartitioner, murmur2
 except ImportError as err:
-    raise ImportError("the kafka transport needs kafka-python: pip install 'flywheel[sdk]'") from err
+    raise ImportError("the kafka transport needs kafka-python: pip install 'flywheel-rl[sdk]'") from err
 
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport, TransportUnavailable, failed
 
