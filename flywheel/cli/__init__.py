@@ -26,6 +26,7 @@ from ingest.cli import keys_app
 from rewarding.main import app as rewards_app
 from serving.admin_cli import TOKEN_OPTION, URL_OPTION, fleet_status
 from serving.admin_cli import register as register_serving
+from serving.fleet.cli import app as fleet_app
 from trainer.main import app as trainer_app
 
 app = typer.Typer(
@@ -40,6 +41,7 @@ app.command("down")(down_command)
 register_serving(app)
 app.add_typer(model_app, name="model", help="The base model: check or register a Hugging Face folder, build our own.")
 app.add_typer(db_app, name="db", help="Database migrations.")
+app.add_typer(fleet_app, name="fleet", help="The vLLM fleet in Postgres: register its replicas.")
 app.add_typer(ingest_app, name="ingest", help="Topics, the Kafka-to-Postgres consumer, the HTTP gateway.")
 app.add_typer(keys_app, name="keys", help="Gateway write keys per project.")
 app.add_typer(rewards_app, name="rewards", help="Rewards: worker, recompute, detectors, check.")
@@ -137,7 +139,7 @@ def env_command() -> None:
 
 # Commands that run a role's code against the infrastructure (not the stack's own commands,
 # which must tell a component they started from one configured elsewhere).
-ROLE_COMMANDS = frozenset({"ingest", "keys", "rewards", "train", "db"})
+ROLE_COMMANDS = frozenset({"ingest", "keys", "rewards", "train", "db", "fleet"})
 
 
 def export_stack_endpoints(argv: list[str]) -> None:

@@ -17,6 +17,10 @@ was not a hold or held for another kind of reason (``collecting`` vs ``inconclus
 when the canary's sample grew by ``hold_log_growth`` (25 %) since, or when
 ``hold_log_interval_s`` (5 min) passed since. Non-hold decisions are always written.
 
+Each look of the loop (:func:`run`) first registers the replicas ``vllm.urls`` names
+(:func:`register_configured`: idempotent, skipped while another operation holds the fleet lock)
+and reconciles the fleet, so a compose or Kubernetes fleet needs no separate registration step.
+
 Pause: ``canary.pause`` / ``canary.resume`` audit entries, the same flag as the trainer's
 (:mod:`flywheel.core.pause`); while the newest one is a pause the controller
 reads nothing and decides nothing. ``canary.enabled = false`` does the same from the
@@ -43,10 +47,12 @@ from flywheel.core.db.models import AuditLog, Checkpoint, Deployment
 from flywheel.core.endpoints import postgres_url
 from flywheel.core.pause import PauseState
 from flywheel.core.vllm_admin import VllmAdminError
+from flywheel.model.base import BaseModelMissing
+from flywheel.model.check import ModelCheckError
 from serving.canary.live import read_live
 from serving.canary.policy import Decision, decide
 from serving.fleet import deploy
-from serving.fleet.registry import DeployError
+from serving.fleet.registry import DeployError, Registration, register_replicas
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -297,21 +303,57 @@ def auto_deploy(engine: Engine, settings: Settings, deploy_canary: Action | None
     return checkpoint_id
 
 
-def run(settings: Settings, max_looks: int | None = None) -> None:
-    """Look every ``canary.interval_s`` until interrupted (or ``max_looks``); also reconcile the fleet each round.
+def register_configured(engine: Engine, settings: Settings) -> Registration | None:
+    """Register the replicas ``vllm.urls`` names (:func:`serving.fleet.registry.register_replicas`).
 
-    A refused or failed action (:class:`serving.fleet.registry.DeployError`, e.g. ops changed the
-    canary meanwhile) and a lost database connection are logged and retried at the next
-    look; anything else stops the loop.
+    New replicas get a row (``failed`` while they do not answer), the base becomes the stable of
+    a fleet without one, and a replica registered ``failed`` that answers now is recorded as
+    serving. Nothing when no URL is configured. The base model is never built here (a missing
+    one is :class:`flywheel.model.base.BaseModelMissing`, retried at the next look).
+    """
+    if not settings.vllm.urls:
+        return None
+    result = register_replicas(engine, settings, list(settings.vllm.urls), actor=ACTOR, build=False)
+    for row in result.added:
+        log.info("registered replica %s: %s (%s)", row["url"], row["state"], row["reason"] or row["policy_version"])
+    for row in result.adopted:
+        log.info("replica %s answers now: registered as %s (%s)", row["url"], row["state"], row["policy_version"])
+    if result.stable_created:
+        log.info("fleet %s had no stable deployment: the base model is its stable now", result.fleet)
+    return result
+
+
+REGISTRATION_ERRORS = (DeployError, OperationalError, BaseModelMissing, ModelCheckError)
+"""Registration failures the loop retries at the next look (a replica in another fleet, the
+database away, the base model not there yet); they do not stop the canary's look."""
+
+
+def run(settings: Settings, max_looks: int | None = None) -> None:
+    """Look every ``canary.interval_s`` until interrupted (or ``max_looks``); also register and reconcile the fleet.
+
+    Each look first registers the replicas ``vllm.urls`` names (:func:`register_configured`), so
+    a fleet deployed without the demo routes from its first minute and a replica that joins
+    late is registered and routed once healthy; then it reconciles the fleet and decides about
+    the canary. A refused or failed action (:class:`serving.fleet.registry.DeployError`, e.g. ops
+    changed the canary meanwhile) and a lost database connection are logged and retried at the
+    next look; anything else stops the loop.
     """
     engine = get_engine(postgres_url(settings))
     reconcile = getattr(deploy, "reconcile", None)
     interval = settings.serving.canary.interval_s
     log.info("canary controller on fleet %s, every %.1f s", settings.serving.fleet, interval)
+    if settings.vllm.urls:
+        log.info("registering the replicas vllm.urls names: %s", ", ".join(settings.vllm.urls))
+    else:
+        log.info("vllm.urls is empty: the fleet's replicas are the ones registered already (flywheel fleet register)")
     looks = 0
     while max_looks is None or looks < max_looks:
         looks += 1
         started = time.monotonic()
+        try:
+            register_configured(engine, settings)
+        except REGISTRATION_ERRORS as err:
+            log.warning("fleet registration failed, retrying at the next look: %s", err)
         try:
             if reconcile is not None:
                 reconcile(engine, settings, actor=ACTOR)

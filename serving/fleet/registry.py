@@ -2,9 +2,11 @@
 
 A fleet (``serving.fleet``) is a set of vLLM replicas that serve an active *stable*
 deployment and, at times, an active *canary*. :func:`ensure_fleet` registers the replicas
-and, for a new fleet, the base checkpoint as its stable deployment; :func:`fleet_status`
-reads it all back. :func:`fleet_lock` is the per-fleet advisory lock every deployment
-operation (:mod:`serving.fleet.deploy`) holds while it runs.
+and, for a new fleet, the base checkpoint as its stable deployment; :func:`register_replicas`
+does the same and says what it did (``flywheel fleet register`` calls it once, the canary
+controller at every look for the replicas ``vllm.urls`` names). :func:`fleet_status` reads it
+all back. :func:`fleet_lock` is the per-fleet advisory lock every deployment operation
+(:mod:`serving.fleet.deploy`) holds while it runs.
 """
 
 from __future__ import annotations
@@ -245,41 +247,91 @@ def _reported_version(url: str) -> tuple[str | None, str | None]:
         return None, f"/weight_info failed at registration: {err}"
 
 
+@dataclass
+class Registration:
+    """What one registration did: whether it held the fleet lock, the rows it added or adopted."""
+
+    fleet: str
+    locked_out: bool
+    """Another deployment operation held the fleet lock: nothing was written."""
+    stable_created: bool = False
+    added: list[dict[str, Any]] = field(default_factory=list)
+    """Replicas seen for the first time (``url``, ``state``, ``policy_version``, ``checkpoint_id``, ``reason``)."""
+    adopted: list[dict[str, Any]] = field(default_factory=list)
+    """Replicas registered ``failed`` earlier (never healthy since) that answer now."""
+
+
 def ensure_fleet(
     engine: Engine,
     settings: Settings,
     urls: list[str] | None = None,
     model_dir: Path | str | None = None,
     actor: str = "serving",
+    build: bool = True,
 ) -> FleetStatus:
     """Register the fleet's replicas and, when the fleet has no stable deployment, the base as stable.
 
     ``urls`` default to :func:`flywheel.core.endpoints.vllm_urls`; each new replica is
     recorded with the version its ``/weight_info`` reports (``failed`` when it does not
-    answer). A fleet without an active stable deployment gets the base checkpoint
-    (:func:`flywheel.model.register.register_base_model` of ``model_dir``, default: the base model
-    ``settings.model`` selects) as one, weight 1.0. Idempotent; rows of known replicas are left to
+    answer). A replica recorded ``failed`` at registration that never served since (no
+    checkpoint) is probed again and, when it answers now, recorded as a new one would be: a
+    replica that joins late is routed once healthy. A fleet without an active stable
+    deployment gets the base checkpoint (:func:`flywheel.model.register.register_base_model`
+    of ``model_dir``, default: the base model ``settings.model`` selects, built when missing
+    and ``build``) as one, weight 1.0. Idempotent; rows of other known replicas are left to
     :func:`serving.fleet.deploy.reconcile`. While another deployment operation holds the fleet
     lock nothing is written (that operation owns the fleet) and the status is returned.
     """
+    register_replicas(engine, settings, urls, model_dir, actor, build)
+    return fleet_status(engine, settings.serving.fleet)
+
+
+def register_replicas(
+    engine: Engine,
+    settings: Settings,
+    urls: list[str] | None = None,
+    model_dir: Path | str | None = None,
+    actor: str = "serving",
+    build: bool = True,
+) -> Registration:
+    """:func:`ensure_fleet`'s work, answering what it did (:class:`Registration`) instead of the status."""
     fleet = settings.serving.fleet
     urls = [u.rstrip("/") for u in (urls if urls is not None else vllm_urls(settings))]
     with try_fleet_lock(engine, fleet) as held:
-        if held:
-            _register(engine, settings, urls, model_dir, actor)
-        else:
+        if not held:
             log.info("fleet %s is locked by another deployment operation; registration skipped", fleet)
-    return fleet_status(engine, fleet)
+            return Registration(fleet=fleet, locked_out=True)
+        return _register(engine, settings, urls, model_dir, actor, build)
 
 
-def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str) -> None:
+def _probe(session: Session, url: str, stable: Deployment) -> dict[str, Any]:
+    """A replica row's columns from what ``url`` answers now."""
+    version, why = _reported_version(url)
+    checkpoint = checkpoint_of_version(session, version)
+    checkpoint_id = checkpoint.id if checkpoint else None
+    return {
+        "state": "serving" if why is None else "failed",
+        "policy_version": version,
+        "checkpoint_id": checkpoint_id,
+        "deployment_id": stable.id if checkpoint_id == stable.checkpoint_id else None,
+        "reason": why,
+    }
+
+
+def _never_served(row: Replica) -> bool:
+    """Recorded ``failed`` and never bound to a checkpoint since: unreachable when it was registered."""
+    return row.state == "failed" and row.checkpoint_id is None and row.deployment_id is None
+
+
+def _register(
+    engine: Engine, settings: Settings, urls: list[str], model_dir: Path | str | None, actor: str, build: bool
+) -> Registration:
     fleet = settings.serving.fleet
-    added: list[dict[str, Any]] = []
+    result = Registration(fleet=fleet, locked_out=False)
     with Session(engine) as session:
         stable = active_deployment(session, fleet, "stable")
-        created_stable = None
         if stable is None:
-            base_id = register_base_model(session, settings.model, model_dir, build=True)
+            base_id = register_base_model(session, settings.model, model_dir, build=build)
             stable = Deployment(
                 fleet=fleet,
                 checkpoint_id=base_id,
@@ -292,30 +344,26 @@ def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Pa
             )
             session.add(stable)
             session.flush()
-            created_stable = stable.id
+            result.stable_created = True
         known = {r.url: r for r in session.scalars(select(Replica).where(Replica.url.in_(urls)))}
         for url in urls:
             row = known.get(url)
-            if row is not None:
-                if row.fleet != fleet:
-                    raise DeployError("conflict", f"replica {url} is registered in fleet {row.fleet!r}, not {fleet!r}")
-                continue
-            version, why = _reported_version(url)
-            checkpoint = checkpoint_of_version(session, version)
-            checkpoint_id = checkpoint.id if checkpoint else None
-            session.add(
-                Replica(
-                    fleet=fleet,
-                    url=url,
-                    state="serving" if why is None else "failed",
-                    policy_version=version,
-                    checkpoint_id=checkpoint_id,
-                    deployment_id=stable.id if checkpoint_id == stable.checkpoint_id else None,
-                    reason=why,
-                )
-            )
-            added.append({"url": url, "policy_version": version, "checkpoint_id": checkpoint_id, "reason": why})
-        if created_stable is not None or added:
+            if row is not None and row.fleet != fleet:
+                raise DeployError("conflict", f"replica {url} is registered in fleet {row.fleet!r}, not {fleet!r}")
+            if row is None:
+                values = _probe(session, url, stable)
+                session.add(Replica(fleet=fleet, url=url, **values))
+                result.added.append({"url": url, **values})
+            elif _never_served(row):
+                values = _probe(session, url, stable)
+                if values["state"] == "failed":
+                    continue  # still unreachable: the row keeps its first reason
+                for name, value in values.items():
+                    setattr(row, name, value)
+                row.updated_at = func.now()
+                result.adopted.append({"url": url, **values})
+        if result.stable_created or result.added or result.adopted:
+            added = [{k: r[k] for k in ("url", "policy_version", "checkpoint_id", "reason")} for r in result.added]
             session.add(
                 AuditLog(
                     actor=actor,
@@ -323,11 +371,16 @@ def _register(engine: Engine, settings: Settings, urls: list[str], model_dir: Pa
                     target=f"fleet:{fleet}",
                     before=None,
                     after={"stable_deployment_id": stable.id, "stable_checkpoint_id": stable.checkpoint_id},
-                    details={"replicas_added": added, "stable_created": created_stable is not None},
+                    details={
+                        "replicas_added": added,
+                        "replicas_adopted": [r["url"] for r in result.adopted],
+                        "stable_created": result.stable_created,
+                    },
                     success=True,
                 )
             )
         session.commit()
+    return result
 
 
 def set_replica(engine: Engine, url: str, **values: Any) -> None:
