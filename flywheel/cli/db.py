@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import typer
 
 app = typer.Typer(no_args_is_help=True)
@@ -15,6 +18,18 @@ def _url(url: str | None) -> str:
     return default_url()
 
 
+@contextmanager
+def _installed_migrations() -> Iterator[None]:
+    """A broken install (no migrations in the package) ends the command with its message, not a traceback."""
+    from flywheel.core.db.migrate import MigrationsMissing
+
+    try:
+        yield
+    except MigrationsMissing as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def upgrade(
     revision: str = typer.Argument("head", help="Target revision."),
@@ -24,7 +39,8 @@ def upgrade(
     from flywheel.core.db import migrate
 
     target = _url(url)
-    migrate.upgrade(target, revision)
+    with _installed_migrations():
+        migrate.upgrade(target, revision)
     typer.echo(f"database at {migrate.current(target)}")
 
 
@@ -37,7 +53,8 @@ def downgrade(
     from flywheel.core.db import migrate
 
     target = _url(url)
-    migrate.downgrade(target, revision)
+    with _installed_migrations():
+        migrate.downgrade(target, revision)
     typer.echo(f"database at {migrate.current(target) or 'base'}")
 
 

@@ -17,8 +17,18 @@ MIGRATIONS = HERE / "migrations"
 installed anywhere finds them beside this module, as a checkout does."""
 
 
+class MigrationsMissing(FileNotFoundError):
+    """This install lacks its migrations (a broken build; not recoverable by retrying)."""
+
+
 def alembic_config(url: str) -> Config:
     """An Alembic config for the project's migrations against ``url``."""
+    for needed in (ALEMBIC_INI, MIGRATIONS / "env.py", MIGRATIONS / "script.py.mako", MIGRATIONS / "versions"):
+        if not needed.exists():
+            raise MigrationsMissing(
+                f"{needed} is missing: this install of flywheel-rl lacks its migrations "
+                "(a wheel built without pyproject.toml's package-data?)"
+            )
     cfg = Config(str(ALEMBIC_INI))
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
