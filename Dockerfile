@@ -9,6 +9,8 @@ COPY ingest ingest
 COPY rewarding rewarding
 COPY trainer trainer
 COPY serving serving
+# flywheel/core/db/migrations links to it: the package carries the migrations through the link
+COPY migrations migrations
 RUN pip install --no-cache-dir ".[${ACCEL}]"
 USER 1000:1000
 ENV FLYWHEEL_ENVIRONMENT=production

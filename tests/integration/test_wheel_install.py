@@ -47,7 +47,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
     listed = _run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO)
     for rel in filter(None, listed.split("\0")):
-        if (REPO / rel).is_file():  # a tracked file deleted in the working tree is not copied
+        if (REPO / rel).is_symlink():  # flywheel/core/db/migrations -> the top-level migrations/
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(REPO / rel), src / rel)
+        elif (REPO / rel).is_file():  # a tracked file deleted in the working tree is not copied
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, src / rel)
     out = tmp_path_factory.mktemp("wheel")

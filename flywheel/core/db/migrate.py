@@ -13,8 +13,9 @@ HERE = Path(__file__).resolve().parent
 ALEMBIC_INI = HERE / "alembic.ini"
 """Alembic's configuration (logging and file template), shipped inside the package."""
 MIGRATIONS = HERE / "migrations"
-"""The migration scripts (env.py, script.py.mako, versions/), shipped inside the package: a wheel
-installed anywhere finds them beside this module, as a checkout does."""
+"""The migration scripts (env.py, script.py.mako, versions/). In a checkout this is a link to the
+repository's top-level ``migrations/``; a wheel holds a copy (setuptools follows the link), so an
+install anywhere finds them beside this module, as a checkout does."""
 
 
 class MigrationsMissing(FileNotFoundError):

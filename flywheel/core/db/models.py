@@ -1,7 +1,7 @@
 """SQLAlchemy 2.0 tables: the system of record.
 
 Tables are separate from API schemas (those live beside each API). Migrations in
-``flywheel/core/db/migrations/`` must agree with these models; ``tests/integration/test_migrations.py``
+``migrations/`` must agree with these models; ``tests/integration/test_migrations.py``
 checks that autogenerate finds no difference.
 """
 
