@@ -33,16 +33,9 @@ from flywheel.core.settings import Settings
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 ARCHITECTURES = ("qwen3", "mistral", "gemma")
-"""Three architectures besides the project's own (Llama). Not GPT-2: vLLM 0.32 has no LoRA for
-``GPT2LMHeadModel`` ("does not support LoRA yet"), and in full mode (replicas without LoRA), after a
-swap its replica sampled tokens outside the top-k/top-p that transformers computes on the
-checkpoint (version truth infinite, seen 2026-12-04), as Gemma's reload drifts below."""
-RELOAD_DRIFT = {
-    "gemma": "vLLM 0.32's in-place reload_weights of a trained Gemma checkpoint serves neither it nor the base "
-    "(measured: max |logprob diff| 0.017 against transformers on the checkpoint, 0.009 against the base, 0.0 for "
-    "the base loaded at start), so the logged logprobs of the swapped checkpoint are off by ~0.07"
-}
-"""Architectures whose full-weight hot swap vLLM does not reproduce: version truth catches it."""
+"""Three architectures besides the project's own (Llama); Gemma ties its embeddings (the case that
+:mod:`flywheel.core.vllm_worker` makes exact on reload). Not GPT-2: vLLM 0.32 has no LoRA for
+``GPT2LMHeadModel`` ("does not support LoRA yet")."""
 MIN_SAMPLES = 16
 TOLERANCE = 1e-3
 
@@ -224,16 +217,9 @@ def _train_swap_and_check(loop: Loop, mode: str) -> None:
         rollback(loop.engine, settings, actor="test-byo", details={"reason": "the next mode's canary"})
 
 
-def test_full_cycle_is_swapped_in_and_serves_the_truth(loop: Loop, request: pytest.FixtureRequest) -> None:
-    if loop.arch in RELOAD_DRIFT:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=RELOAD_DRIFT[loop.arch]))
+def test_full_cycle_is_swapped_in_and_serves_the_truth(loop: Loop) -> None:
     _train_swap_and_check(loop, "full")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="LoRA mode: passed here for qwen3 and gemma, failed for mistral in a clean-clone run on 2026-12-04 "
-    "(cause not read yet); the router routes to LoRA adapters since that day",
-)
 def test_lora_cycle_is_swapped_in_and_serves_the_truth(loop: Loop) -> None:
     _train_swap_and_check(loop, "lora")
