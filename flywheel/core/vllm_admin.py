@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
+from flywheel.core.safetensors_header import SafetensorsInvalid, read_header
 from flywheel.core.vllm_worker import REPACK_METHOD, WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
@@ -125,22 +125,10 @@ def tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
 
 
 def _check_safetensors_header(file: Path) -> dict[str, Any]:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointInvalid(f"{file} is truncated (no safetensors header)")
-        length = struct.unpack("<Q", head)[0]
-        if length > size - 8:
-            raise CheckpointInvalid(f"{file} is truncated (header of {length} bytes, file of {size})")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as err:
-            raise CheckpointInvalid(f"{file} has an unreadable safetensors header: {err}") from err
-    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + length + end > size:
-        raise CheckpointInvalid(f"{file} is truncated (tensors end at byte {8 + length + end}, file has {size})")
-    return header
+    try:
+        return read_header(file)
+    except SafetensorsInvalid as err:
+        raise CheckpointInvalid(str(err)) from err
 
 
 def reload_weights(url: str, weights_path: str | Path, timeout_s: float = 300.0, check: bool = True) -> None:

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import struct
 import tempfile
 from collections.abc import Iterable
 from importlib import metadata
@@ -39,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+
+from flywheel.core.safetensors_header import SafetensorsInvalid, numel, read_header, tensors
 
 CHECK_VERSION = "1"
 """Bump when what is checked or hashed changes (invalidates the cache)."""
@@ -59,12 +59,7 @@ TOKENIZER_FILES = (
 )
 """Tokenizer files that are hashed when present (at least one of the vocabulary files must be)."""
 KNOWN_DTYPES = ("float32", "float16", "bfloat16")
-SAFETENSORS_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 CACHE_SUBDIR = ".checks"
 HASH_CHUNK = 8 * 1024 * 1024
 
@@ -143,7 +138,7 @@ def check_model(path: Path | str, completion_only: bool = False, cache_dir: Path
         path=str(folder),
         architecture=architecture,
         model_type=model_type,
-        parameters=sum(_numel(t["shape"]) for h in headers.values() for t in _tensors(h).values()),
+        parameters=sum(numel(t["shape"]) for h in headers.values() for t in tensors(h).values()),
         dtype=dtype,
         vocab_size=_config_int(config, "vocab_size"),
         max_positions=_config_int(config, "max_position_embeddings", "n_positions", "max_sequence_length"),
@@ -290,47 +285,10 @@ def hashed_files(folder: Path, weights: Iterable[str]) -> list[str]:
 
 def read_safetensors_header(file: Path) -> dict[str, Any]:
     """The parsed header of a safetensors file, after checking the file is exactly as long as it says."""
-    size = file.stat().st_size
-    with open(file, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise ModelCheckError(f"{file}: truncated: {size} bytes, shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise ModelCheckError(
-                f"{file}: truncated or not safetensors: header of {length} bytes in a {size}-byte file"
-            )
-        try:
-            header = json.loads(handle.read(length))
-        except (UnicodeDecodeError, ValueError) as err:
-            raise ModelCheckError(f"{file}: safetensors header does not parse: {err}") from err
-    if not isinstance(header, dict):
-        raise ModelCheckError(f"{file}: safetensors header is not a JSON object")
-    end = 0
-    for name, tensor in _tensors(header).items():
-        try:
-            dtype, shape, (begin, stop) = tensor["dtype"], tensor["shape"], tensor["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ModelCheckError(f"{file}: tensor {name} has a malformed header entry") from err
-        if dtype not in SAFETENSORS_ITEMSIZE:
-            raise ModelCheckError(f"{file}: tensor {name} has an unknown dtype {dtype}")
-        if stop - begin != _numel(shape) * SAFETENSORS_ITEMSIZE[dtype]:
-            raise ModelCheckError(f"{file}: tensor {name}: {stop - begin} bytes for shape {shape} of {dtype}")
-        end = max(end, stop)
-    expected = 8 + length + end
-    if size < expected:
-        raise ModelCheckError(f"{file}: truncated: {size} bytes, its header says {expected}")
-    if size > expected:
-        raise ModelCheckError(f"{file}: {size - expected} bytes after the last tensor (corrupt or not safetensors)")
-    return header
-
-
-def _tensors(header: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in header.items() if k != "__metadata__"}
-
-
-def _numel(shape: list[int]) -> int:
-    return math.prod(shape)
+    try:
+        return read_header(file)
+    except SafetensorsInvalid as err:
+        raise ModelCheckError(str(err)) from err
 
 
 def require_index_complete(folder: Path, headers: dict[str, dict[str, Any]]) -> None:
@@ -349,7 +307,7 @@ def model_dtype(folder: Path, config: dict[str, Any], headers: dict[str, dict[st
         if declared not in KNOWN_DTYPES:
             raise ModelCheckError(f"{folder / CONFIG}: dtype {declared!r} is not one of {', '.join(KNOWN_DTYPES)}")
         return str(declared)
-    found = {FLOAT_DTYPES.get(t["dtype"]) for h in headers.values() for t in _tensors(h).values()} - {None}
+    found = {FLOAT_DTYPES.get(t["dtype"]) for h in headers.values() for t in tensors(h).values()} - {None}
     known = found & set(KNOWN_DTYPES)
     if len(known) != 1:
         raise ModelCheckError(
@@ -388,7 +346,7 @@ def require_finite(folder: Path, headers: dict[str, dict[str, Any]]) -> None:
     from safetensors import safe_open
 
     for shard, header in headers.items():
-        names = [n for n, t in _tensors(header).items() if t["dtype"] in FLOAT_DTYPES]
+        names = [n for n, t in tensors(header).items() if t["dtype"] in FLOAT_DTYPES]
         with safe_open(str(folder / shard), framework="pt") as handle:
             for name in names:
                 tensor = handle.get_tensor(name)
