@@ -47,6 +47,10 @@ sys.path.insert(0, str(ROOT))
 
 FLEET = "bench"
 PROMPTS = [f"user: what is {a} + {b}?\nassistant:" for a in range(4) for b in range(4)]
+METRICS_PORT = 19621
+"""The router's metrics port (its counters are not on the public port)."""
+AUTH: dict[str, str] = {}
+"""``Authorization`` of the bench's product key, sent direct and routed alike (vLLM ignores it)."""
 
 
 def _settings(run_dir: Path) -> Any:
@@ -59,7 +63,9 @@ def _settings(run_dir: Path) -> Any:
             "environment": "test",
             "postgres": base.postgres.model_copy(update={"embedded_port": 19693}),
             "vllm": base.vllm.model_copy(update={"replicas": 2, "base_port": 19610, "startup_timeout_s": 300.0}),
-            "serving": base.serving.model_copy(update={"fleet": FLEET, "router_port": 19620}),
+            "serving": base.serving.model_copy(
+                update={"fleet": FLEET, "router_port": 19620, "router_metrics_port": METRICS_PORT}
+            ),
         }
     )
 
@@ -113,7 +119,7 @@ async def _load(base_url: str, model: str, concurrency: int, max_tokens: int, st
             n += concurrency
             start = time.perf_counter()
             try:
-                async with session.post(url, json=body, timeout=timeout) as resp:
+                async with session.post(url, json=body, headers=AUTH, timeout=timeout) as resp:
                     data = await resp.read()
                     if resp.status != 200:
                         result.failures.append(f"HTTP {resp.status}: {data[:200]!r}")
@@ -208,6 +214,18 @@ def _insert_rows(engine: Any, urls: list[str], base: str, base_dir: Path, alt: s
         return stable.id
 
 
+def _product_key(engine: Any) -> str:
+    """A product key without a practical rate limit: the bench measures the router, not its limiter's refusals."""
+    from sqlalchemy.orm import Session
+
+    from flywheel.core.auth import create_key
+
+    with Session(engine) as s:
+        _, token = create_key(s, name="bench", role="product", project="bench", rate_per_s=1e6, burst=1_000_000)
+        s.commit()
+    return token
+
+
 def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env |= {
@@ -217,6 +235,7 @@ def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Pope
         "FLYWHEEL_SERVING__FLEET": FLEET,
         "FLYWHEEL_SERVING__ROUTER_HOST": "127.0.0.1",
         "FLYWHEEL_SERVING__ROUTER_PORT": str(settings.serving.router_port),
+        "FLYWHEEL_SERVING__ROUTER_METRICS_PORT": str(settings.serving.router_metrics_port),
         "FLYWHEEL_SERVING__REFRESH_S": str(settings.serving.refresh_s),
     }
     with open(log_path, "ab") as log:
@@ -351,10 +370,11 @@ class CpuLayout:
 
 
 def router_cpu_s(router_url: str) -> float:
-    """The router process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
+    """The router process's CPU seconds so far (its ``process_cpu_seconds_total``, from its metrics port)."""
     import httpx
 
-    text = httpx.get(f"{router_url}/router/metrics", timeout=10).text
+    host = router_url.split("//", 1)[1].rsplit(":", 1)[0]
+    text = httpx.get(f"http://{host}:{METRICS_PORT}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith("process_cpu_seconds_total "):
             return float(line.split()[1])
@@ -493,6 +513,7 @@ def main() -> None:
         upgrade(db_url)
         engine = get_engine(db_url)
         deployment_id = _insert_rows(engine, urls, base, base_dir, alt, alt_dir)
+        AUTH["Authorization"] = f"Bearer {_product_key(engine)}"
         router = _start_router(settings, db_url, run_dir / "router.log")
         router_url = f"http://127.0.0.1:{settings.serving.router_port}"
         _wait_routable(router_url, {urls[0]})

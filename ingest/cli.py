@@ -1,4 +1,4 @@
-"""``flywheel-ingest``: the consumer, the gateway, topics, write keys and the orphan report.
+"""``flywheel-ingest``: the consumer, the gateway, topics, project keys and the orphan report.
 
 Heavy modules (kafka-python, psycopg, SQLAlchemy, FastAPI, and the settings with
 pydantic-settings) are imported inside the commands and their helpers, so ``--help`` stays instant.
@@ -16,7 +16,12 @@ import typer
 app = typer.Typer(
     name="flywheel-ingest", help="Kafka and HTTP into Postgres.", no_args_is_help=True, add_completion=False
 )
-keys_app = typer.Typer(no_args_is_help=True, help="Gateway write keys (per project; only hashes are stored).")
+keys_app = typer.Typer(
+    no_args_is_help=True,
+    help="Project keys: gateway write keys (fwk_) and router product keys (fwp_); only hashes are stored.",
+)
+KEY_ROLES = {"writer": "write key", "product": "product key"}
+"""The roles ``keys`` manages, and what each is called."""
 app.add_typer(keys_app, name="keys")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -195,39 +200,67 @@ def _health_problems(settings, bootstrap: str, conninfo: str) -> list[str]:
     return problems
 
 
+def _key_role(role: str) -> str:
+    if role not in KEY_ROLES:
+        typer.echo(f"--role: must be one of {', '.join(KEY_ROLES)} (got {role!r})", err=True)
+        raise typer.Exit(2)
+    return role
+
+
 @keys_app.command("create")
 def keys_create(
-    project: str = typer.Option(..., help="The project the key may write for."),
+    project: str = typer.Option(..., help="The project the key is scoped to."),
     name: str = typer.Option(..., help="A name to recognise the key by."),
+    role: str = typer.Option(
+        "writer", help="writer: sends events to the gateway (fwk_); product: calls the router's OpenAI API (fwp_)."
+    ),
+    rate_per_s: float | None = typer.Option(
+        None, min=0.001, help="product: this key's router rate limit, requests/s (default serving.key_rate_per_s)."
+    ),
+    burst: int | None = typer.Option(
+        None, min=1, help="product: this key's burst, requests at once (default serving.key_burst)."
+    ),
     created_by: str | None = typer.Option(None, help="Who asked for it (recorded)."),
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
-    """Create a write key and print its token once (only its hash is stored)."""
+    """Create a write key or a product key and print its token once (only its hash is stored)."""
     from flywheel.core.auth import create_key
     from flywheel.core.db.engine import session_factory
 
+    role = _key_role(role)
     with session_factory(_db_url(db_url))() as session:
-        info, token = create_key(session, name=name, role="writer", project=project, created_by=created_by)
+        try:
+            info, token = create_key(
+                session, name=name, role=role, project=project, created_by=created_by, rate_per_s=rate_per_s,
+                burst=burst,
+            )  # fmt: skip
+        except ValueError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
         session.commit()
-    typer.echo(f"created write key {info.id} ({info.token_prefix}…) for project {project}; store it now:", err=True)
+    what = KEY_ROLES[role]
+    typer.echo(f"created {what} {info.id} ({info.token_prefix}…) for project {project}; store it now:", err=True)
     typer.echo(token)
 
 
 @keys_app.command("list")
 def keys_list(
     project: str | None = typer.Option(None, help="Only this project's keys."),
+    role: str = typer.Option("writer", help="writer (gateway write keys) or product (router product keys)."),
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
-    """List write keys (id, prefix, project, name, state); never the tokens."""
+    """List write keys or product keys (id, prefix, project, name, state); never the tokens."""
     from flywheel.core.auth import list_keys
     from flywheel.core.db.engine import session_factory
 
+    role = _key_role(role)
     with session_factory(_db_url(db_url))() as session:
-        rows = list_keys(session, role="writer", project=project)
+        rows = list_keys(session, role=role, project=project)
     for info in rows:
         state = f"revoked {info.revoked_at:%Y-%m-%d %H:%M}" if info.revoked_at else "active"
         used = f"last used {info.last_used_at:%Y-%m-%d %H:%M}" if info.last_used_at else "never used"
-        typer.echo(f"{info.id:5}  {info.token_prefix:14} {info.project:20} {info.name:20} {state}, {used}")
+        limit = f", {info.rate_per_s or 'default'} req/s burst {info.burst or 'default'}" if role == "product" else ""
+        typer.echo(f"{info.id:5}  {info.token_prefix:14} {info.project:20} {info.name:20} {state}, {used}{limit}")
 
 
 @keys_app.command("revoke")
@@ -235,7 +268,8 @@ def keys_revoke(
     key_id: int = typer.Argument(..., help="Id of the key (from `keys list`)."),
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL."),
 ) -> None:
-    """Revoke a write key (the gateway refuses it within its cache time, 10 s)."""
+    """Revoke a write key or a product key (the gateway refuses it within ingest.key_cache_ttl_s, the router
+    within serving.refresh_s)."""
     from flywheel.core.auth import KeyNotFound, revoke_key
     from flywheel.core.db.engine import session_factory
 

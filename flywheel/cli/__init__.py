@@ -43,7 +43,7 @@ app.add_typer(model_app, name="model", help="The base model: check or register a
 app.add_typer(db_app, name="db", help="Database migrations.")
 app.add_typer(fleet_app, name="fleet", help="The vLLM fleet in Postgres: register its replicas.")
 app.add_typer(ingest_app, name="ingest", help="Topics, the Kafka-to-Postgres consumer, the HTTP gateway.")
-app.add_typer(keys_app, name="keys", help="Gateway write keys per project.")
+app.add_typer(keys_app, name="keys", help="Project keys: gateway write keys and router product keys.")
 app.add_typer(rewards_app, name="rewards", help="Rewards: worker, recompute, detectors, check.")
 app.add_typer(trainer_app, name="train", help="The trainer: train now, pause/resume, status, worker, beat, check.")
 app.add_typer(contracts_app, name="contracts", help="Event contracts: JSON Schema export and validation.")

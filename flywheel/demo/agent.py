@@ -74,12 +74,12 @@ class DemoAgent:
         fw: Flywheel,
         router_url: str,
         *,
+        api_key: str,
         concurrency: int = 4,
         max_tokens: int = 24,
         user: UserModel | None = None,
         seed: int = 0,
         split: arith.Split = "train",
-        api_key: str = "demo",
     ):
         self.fw = fw
         self.client = fw.wrap_openai(

@@ -128,8 +128,10 @@ def service_settings(config: ByoConfig) -> dict[str, dict[str, Any]]:
 def demo_config(config: ByoConfig, on_finish: Any = None) -> DemoConfig:
     """The demo loop configured for ``config`` (its hooks: the chat agent and :func:`reached`)."""
 
-    def agent(fw: Any, router: str) -> ChatAgent:
-        return ChatAgent(fw, router, concurrency=config.concurrency, sampling=config.sampling, seed=config.seed)
+    def agent(fw: Any, router: str, api_key: str) -> ChatAgent:
+        return ChatAgent(
+            fw, router, api_key=api_key, concurrency=config.concurrency, sampling=config.sampling, seed=config.seed
+        )
 
     return DemoConfig(
         budget_minutes=config.budget_minutes,

@@ -127,12 +127,12 @@ class ChatAgent:
         fw: Flywheel,
         router_url: str,
         *,
+        api_key: str,
         concurrency: int = 4,
         sampling: Sampling | None = None,
         seed: int = 0,
         split: arith.Split = "train",
         model: str = "flywheel",
-        api_key: str = "byo",
     ):
         self.fw = fw
         self.client = fw.wrap_openai(

@@ -103,8 +103,9 @@ class DemoConfig:
     """Called with (engine, settings, service group) once the services and the agent run."""
     on_finish: Callable[[Any, Settings, dict[str, Any]], None] | None = None
     """Called with (engine, settings, summary) after the summary, while every service still runs."""
-    agent_factory: Callable[[Any, str], Any] | None = None
-    """Builds the agent product from (the SDK client, the router URL) instead of the calculator agent: any
+    agent_factory: Callable[[Any, str, str], Any] | None = None
+    """Builds the agent product from (the SDK client, the router URL, a product key for the router) instead of
+    the calculator agent: any
     object with ``start()``, ``stop(timeout_s)`` and ``stats.snapshot()`` (``make bench-byo``'s chat agent)."""
     until: Callable[[Any, Any], bool] | None = None
     """Ends the learning phase when it returns True, called with (engine, snapshot) every 2 s, instead of the
@@ -189,6 +190,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     agent: DemoAgent | None = None
     fw: Flywheel | None = None
     viewer_token: str | None = None
+    api_key: str | None = None
     started = time.monotonic()
     try:
         db_url = postgres_url(settings, config.database)
@@ -211,12 +213,13 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
             viewer_token = ops_token(engine, "demo-viewer", role="viewer")
         router = f"http://{settings.serving.router_host}:{settings.serving.router_port}"
         project = f"demo-{uuid.uuid4().hex[:6]}"
+        api_key = product_key(engine, project)
         fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=kafka_bootstrap(settings),
                       spool_dir=Path(settings.run_dir) / "demo-spool")  # fmt: skip
         if config.agent_factory is not None:
-            agent = config.agent_factory(fw, router)
+            agent = config.agent_factory(fw, router, api_key)
         else:
-            agent = DemoAgent(fw, router, concurrency=config.concurrency, seed=config.seed)
+            agent = DemoAgent(fw, router, api_key=api_key, concurrency=config.concurrency, seed=config.seed)
         agent.start()
         if config.on_start is not None:
             config.on_start(engine, child_settings, group)
@@ -263,7 +266,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         if config.keep_up:
             if group is not None:
                 keep_services(settings, group.records(source="demo"))
-            _print_kept_up(settings, viewer_token)
+            _print_kept_up(settings, viewer_token, api_key)
         else:
             if group is not None:
                 group.stop()
@@ -285,7 +288,19 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def _print_kept_up(settings: Settings, viewer_token: str | None) -> None:
+def product_key(engine: Any, project: str) -> str:
+    """A product key of ``project`` for the router (what the agent product gives its ``openai`` client)."""
+    from sqlalchemy.orm import Session
+
+    from flywheel.core.auth import create_key
+
+    with Session(engine) as session:
+        _, token = create_key(session, name=f"{project}-agent", role="product", project=project, created_by="demo")
+        session.commit()
+    return token
+
+
+def _print_kept_up(settings: Settings, viewer_token: str | None, api_key: str | None) -> None:
     """Where the running system is, and how to stop it."""
     from flywheel.stack.stack import status
 
@@ -301,6 +316,8 @@ def _print_kept_up(settings: Settings, viewer_token: str | None) -> None:
         console.print(f"  log in with this viewer token: {viewer_token}")
         console.print(f"  the CLI reads it too: export FLYWHEEL_TOKEN={viewer_token}; flywheel status")
     console.print(f"router (OpenAI-compatible): http://{s.router_host}:{s.router_port}/v1")
+    if api_key is not None:
+        console.print(f"  its product key (the openai client's api_key): {api_key}")
     console.print("`flywheel status` lists every part; `flywheel down` stops everything (the services and the stack)")
 
 

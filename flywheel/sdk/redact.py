@@ -1,7 +1,7 @@
 """PII redaction, applied by the sender before an event is serialized (nothing unredacted leaves the process).
 
 :class:`Redactor` is the default: e-mail addresses, API keys and tokens (OpenAI/Anthropic
-``sk-``, GitHub, Slack, AWS, Google, Flywheel write keys, JWTs, ``Bearer`` headers,
+``sk-``, GitHub, Slack, AWS, Google, Flywheel keys, JWTs, ``Bearer`` headers,
 ``password=...``-style assignments, PEM private keys) and credit-card-like numbers (13 to
 19 digits that pass the Luhn check). A product adds its own with any ``str -> str``
 callable (``Flywheel(redactor=...)``); it runs after the default one.
@@ -38,7 +38,7 @@ _PATTERNS: list[tuple[str, str]] = [
     (
         "API_KEY",
         r"\b(?:sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
-        r"|xox[abposr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|AIza[0-9A-Za-z_-]{35}|fw[ko]_[A-Za-z0-9_-]{24,})",
+        r"|xox[abposr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|AIza[0-9A-Za-z_-]{35}|fw[kop]_[A-Za-z0-9_-]{24,})",
     ),
     (
         "SECRET",
@@ -76,7 +76,7 @@ def _possible_patterns(text: str) -> int:
         mask |= _BIT["BEARER"]
     if (
         ("-" in text and ("sk-" in text or "xox" in text))
-        or ("_" in text and ("gh" in text or "fwk_" in text or "fwo_" in text))
+        or ("_" in text and ("gh" in text or "fwk_" in text or "fwo_" in text or "fwp_" in text))
         or ("A" in text and ("AKIA" in text or "AIza" in text))
     ):
         mask |= _BIT["API_KEY"]

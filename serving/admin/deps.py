@@ -35,6 +35,8 @@ from flywheel.core.settings import Settings
 from serving.admin.errors import AdminError
 from serving.admin.schemas import OPS_ROLES
 
+KEY_KINDS = {"writer": "gateway write key", "product": "router product key"}
+"""What a key of a non-ops role is, for the 403 that refuses it."""
 ROLE_RANK = {role: rank for rank, role in enumerate(OPS_ROLES, start=1)}
 """viewer < operator < admin; a token passes a route that needs its role or a weaker one."""
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -129,7 +131,7 @@ def authorize(info: KeyInfo, role: str) -> None:
     if info.role not in ROLE_RANK:
         raise AdminError(
             403,
-            f"a {info.role} key (gateway write key {info.token_prefix}…) is refused on the admin API; "
+            f"a {info.role} key ({KEY_KINDS.get(info.role, 'key')} {info.token_prefix}…) is refused on the admin API; "
             "use an ops token (viewer, operator or admin)",
             required_role=role,
         )

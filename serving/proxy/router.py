@@ -6,8 +6,17 @@ reachable through it):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: proxied, streaming (SSE) or not;
 - ``GET /v1/models``: the policy versions served now;
-- ``GET /health`` (the router is alive), ``GET /ready`` (at least one routable replica);
-- ``GET /router/metrics``: the router's own Prometheus counters.
+- ``GET /health`` (the router is alive), ``GET /ready`` (at least one routable replica).
+
+The completion routes and ``/v1/models`` need a product key (``Authorization: Bearer fwp_…``,
+the ``api_key`` of the official ``openai`` client): 401 without one or with an unknown or
+revoked one, 403 for another kind of key or a project not served, 429 with ``Retry-After``
+past the key's rate limit, 413 past ``serving.max_request_bytes`` (:mod:`serving.proxy.access`).
+The keys' digests are re-read with the routing table, so no request touches the database.
+
+The router's Prometheus counters are not on the public port: ``GET /metrics`` on
+``serving.router_metrics_host:router_metrics_port`` (loopback by default; off unless a port is
+set). Their ``replica`` label is the replica's id in the ``replicas`` table, never its URL.
 
 Every ``refresh_s`` the routing table (active deployments of ``serving.fleet`` and their
 ``replicas`` rows) is read from Postgres in a worker thread; every ``health_interval_s``
@@ -40,16 +49,21 @@ from typing import Any
 
 import aiohttp
 import uvicorn
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
 
+from flywheel.core import auth
+from flywheel.core.auth import KeyInfo, bearer_token, hash_token
 from flywheel.core.contracts import headers
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment, Replica
 from flywheel.core.endpoints import postgres_url
 from flywheel.core.settings import ServingSettings, Settings, get_settings
 from serving.proxy import routing
+from serving.proxy.access import AccessDenied, RateLimiter, check_key, retry_after_header
 from serving.proxy.routing import Decision, ReplicaHealth, ReplicaRow, RoutingTable, StickyTable
 
 log = logging.getLogger("flywheel.serving.router")
@@ -59,14 +73,14 @@ SESSION_HEADER = headers.SESSION_ID
 POLICY_VERSION_HEADER = headers.POLICY_VERSION.encode()
 REPLICA_HEADER = headers.REPLICA.encode()
 _SESSION_HEADER_BYTES = SESSION_HEADER.encode()
-MAX_BODY_BYTES = 1 << 20
-"""Largest request body accepted (413 beyond)."""
 SSE_DONE = b"data: [DONE]"
 """The event that ends a complete OpenAI stream; a stream that ends without it broke."""
 PROXIED = {"/v1/chat/completions", "/v1/completions"}
 """Paths proxied to a replica (POST only)."""
-LOCAL_GET = {"/health", "/ready", "/v1/models", "/router/metrics"}
+LOCAL_GET = {"/health", "/ready", "/v1/models"}
 """Paths the router answers itself (GET only)."""
+KEYED = PROXIED | {"/v1/models"}
+"""Paths that need a product key."""
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -78,9 +92,18 @@ _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 class RouterError(Exception):
     """An answer the router gives itself (status, OpenAI-style error body); recoverable by the client."""
 
-    def __init__(self, status: int, message: str, code: str):
+    def __init__(self, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] | None = None):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.headers = headers or []
+
+    @classmethod
+    def denied(cls, err: AccessDenied) -> RouterError:
+        """The answer to a refused key or an exceeded rate limit."""
+        extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
+        if err.retry_after_s is not None:
+            extra.append((b"retry-after", retry_after_header(err.retry_after_s)))
+        return cls(err.status, err.reason, err.code, extra)
 
     def body(self) -> bytes:
         """The OpenAI-style error JSON."""
@@ -107,15 +130,28 @@ def read_table(engine: Engine, fleet: str) -> RoutingTable:
         .order_by(Deployment.id)
     )
     replicas = (
-        select(Replica.url, Replica.state, Replica.policy_version).where(Replica.fleet == fleet).order_by(Replica.id)
+        select(Replica.id, Replica.url, Replica.state, Replica.policy_version)
+        .where(Replica.fleet == fleet)
+        .order_by(Replica.id)
     )
     with engine.connect() as conn:
         entries = {
             row.role: routing.DeploymentEntry(row.role, row.policy_version, float(row.weight), int(row.id))
             for row in conn.execute(deployments)
         }
-        rows = tuple(ReplicaRow(r.url.rstrip("/"), r.state, r.policy_version) for r in conn.execute(replicas))
+        rows = tuple(
+            ReplicaRow(r.url.rstrip("/"), r.state, r.policy_version, int(r.id)) for r in conn.execute(replicas)
+        )
     return RoutingTable(deployments=entries, replicas=rows)
+
+
+def read_keys(engine: Engine, used: set[int]) -> dict[str, KeyInfo]:
+    """Record the use of the keys ``used`` since the last read; every key by its token digest."""
+    with Session(engine) as session:
+        auth.touch_keys(session, used)
+        keys = auth.key_index(session)
+        session.commit()
+    return keys
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -138,14 +174,18 @@ class _LiveGauges:
         )
         routable = {v.url for views in self.router.routes.by_version.values() for v in views}
         for row in self.router.table.replicas:
-            outstanding.add_metric([row.url], self.router.outstanding.get(row.url, 0))
-            up.add_metric([row.url, row.policy_version or ""], 1.0 if row.url in routable else 0.0)
+            name = self.router.replica_name(row.url)
+            outstanding.add_metric([name], self.router.outstanding.get(row.url, 0))
+            up.add_metric([name, row.policy_version or ""], 1.0 if row.url in routable else 0.0)
         yield outstanding
         yield up
 
 
 class Metrics:
-    """The router's Prometheus counters, in a registry of its own."""
+    """The router's Prometheus counters, in a registry of its own.
+
+    ``replica`` labels are the replicas' ids in the ``replicas`` table (:meth:`Router.replica_name`).
+    """
 
     def __init__(self, router: Router):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -168,6 +208,9 @@ class Metrics:
             "flywheel_router_rejected", "Requests the router answered itself with an error", "status"
         )
         self.stream_errors = counter("flywheel_router_stream_errors", "Streams ended by an upstream failure", "replica")
+        self.refused = counter(
+            "flywheel_router_refused", "Requests refused for their key or rate (401, 403, 429), by reason", "code"
+        )
         self.registry.register(_LiveGauges(router))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total: the router's own CPU
         self._request_children: dict[tuple[str, str, int], Any] = {}
@@ -190,6 +233,8 @@ class _Attempt:
 
     url: str
     version: str
+    name: str
+    """The replica as metrics name it (its id)."""
     headers: list[tuple[bytes, bytes]]
     tag: bytes
     """``,"flywheel":{...}}`` spliced into a JSON body's closing brace."""
@@ -212,6 +257,14 @@ class Router:
         """Model names a request may name (recomputed with the routes)."""
         self.sticky = StickyTable(self.cfg.sticky_ttl_s, self.cfg.sticky_max_sessions)
         self.metrics = Metrics(self)
+        self.keys: dict[str, KeyInfo] = {}
+        """Every key by its token digest (re-read with the table)."""
+        self.keys_loaded = False
+        self.used_keys: set[int] = set()
+        """Keys used since the last read (their ``last_used_at`` is written with the next read)."""
+        self.limiter = RateLimiter(self.cfg.key_rate_per_s, self.cfg.key_burst)
+        self._keys_changed = asyncio.Event()
+        self._metrics_runner: web.AppRunner | None = None
         self.rng = random.Random()
         self.table_loaded = False
         self.last_refresh_error: str | None = None
@@ -250,6 +303,22 @@ class Router:
             asyncio.create_task(self._loop(self.cfg.refresh_s, self.refresh), name="router-refresh"),
             asyncio.create_task(self._loop(self.cfg.health_interval_s, self.probe_all), name="router-health"),
         ]
+        if self.cfg.router_metrics_port is not None:
+            await self.serve_metrics(self.cfg.router_metrics_host, self.cfg.router_metrics_port)
+
+    async def serve_metrics(self, host: str, port: int) -> None:
+        """Serve ``GET /metrics`` on ``host:port`` (a listener of its own, never the public port)."""
+
+        async def metrics(_request: web.Request) -> web.Response:
+            body = generate_latest(self.metrics.registry)
+            return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        await web.TCPSite(self._metrics_runner, host, port).start()
+        log.info("router metrics on http://%s:%d/metrics", host, port)
 
     async def stop(self) -> None:
         """Stop the loops and close the pools."""
@@ -257,6 +326,9 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         for session in (self.session, self._probe_session):
             if session is not None:
                 await session.close()
@@ -276,15 +348,72 @@ class Router:
     # -- table and probes --------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Re-read the routing table; probe at once any replica whose row changed."""
-        table = await asyncio.to_thread(read_table, self.engine, self.cfg.fleet)
+        """Re-read the routing table and the keys; probe at once any replica whose row changed."""
+        used, self.used_keys = self.used_keys, set()
+        try:
+            table = await asyncio.to_thread(read_table, self.engine, self.cfg.fleet)
+            keys = await asyncio.to_thread(read_keys, self.engine, used)
+        except BaseException:
+            self.used_keys |= used  # written with the next read that works
+            raise
         self.last_refresh_error = None
         self.table_loaded = True
+        self.apply_keys(keys)
         self.apply_table(table)
+
+    def apply_keys(self, keys: dict[str, KeyInfo]) -> None:
+        """Take a new key index; wake requests waiting for a key not seen before."""
+        self.keys = keys
+        self.keys_loaded = True
+        self.limiter.forget({k.id for k in keys.values() if k.active})
+        self._keys_changed.set()
+        self._keys_changed = asyncio.Event()
+
+    def replica_name(self, url: str) -> str:
+        """What metrics call the replica at ``url``: its id in the ``replicas`` table."""
+        for row in self.table.replicas:
+            if row.url == url and row.id is not None:
+                return str(row.id)
+        return "unknown"
+
+    async def authorize(self, authorization: str | None) -> KeyInfo:
+        """The request's product key (taking one request from its rate limit), else a 401/403/429/503 error.
+
+        A key not in the index may have been created a moment ago: the request waits for the
+        next read of the keys (at most ``wait_s``) before it is called unknown.
+        """
+        token = bearer_token(authorization)
+        if token is not None and (not self.keys_loaded or hash_token(token) not in self.keys):
+            await self._wait_for_keys(time.monotonic() + self.wait_s)
+            if not self.keys_loaded:
+                raise RouterError(
+                    503,
+                    "cannot check product keys: the key table was never read "
+                    f"({self.last_refresh_error or 'no refresh yet'})",
+                    "service_unavailable",
+                )
+        try:
+            key = check_key(authorization, self.keys, self.cfg.projects)
+            self.limiter.admit(key, time.monotonic())
+        except AccessDenied as err:
+            self.metrics.refused.labels(err.code).inc()
+            raise RouterError.denied(err) from None
+        self.used_keys.add(key.id)
+        return key
+
+    async def _wait_for_keys(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            try:
+                await asyncio.wait_for(self._keys_changed.wait(), remaining)
+            except TimeoutError:
+                pass
 
     def apply_table(self, table: RoutingTable) -> None:
         """Take a new table: track new replicas, forget removed ones, re-probe changed ones."""
         before = {r.url: r for r in self.table.replicas}
+        if {(r.url, r.id) for r in table.replicas} != {(r.url, r.id) for r in before.values()}:
+            self._attempts.clear()  # their metric names (replica ids) may have changed
         self.table = table
         urls = {r.url for r in table.replicas}
         for url in list(self.health):
@@ -348,16 +477,16 @@ class Router:
         else:
             self.models[url] = ids
             if health.probe_ok(None if version is None else str(version), ids):
-                self.metrics.rejoins.labels(url).inc()
+                self.metrics.rejoins.labels(self.replica_name(url)).inc()
                 log.warning("router: replica %s answers again (weight version %s): back in rotation", url, version)
         finally:
             self._probing.discard(url)
 
     def _failure(self, url: str, kind: str, detail: str) -> None:
-        self.metrics.failures.labels(url, kind).inc()
+        self.metrics.failures.labels(self.replica_name(url), kind).inc()
         health = self.health.get(url)
         if health is not None and health.failure(detail):
-            self.metrics.ejections.labels(url).inc()
+            self.metrics.ejections.labels(self.replica_name(url)).inc()
             log.warning("router: replica %s ejected after %d failures (last: %s)", url, health.failures, detail)
             self.rebuild()
 
@@ -412,7 +541,8 @@ class Router:
         if attempt is None:
             meta = json.dumps({"policy_version": version, "replica": url}).encode()
             headers = [(POLICY_VERSION_HEADER, version.encode()), (REPLICA_HEADER, url.encode())]
-            attempt = self._attempts[key] = _Attempt(url, version, headers, b',"flywheel":' + meta + b"}")
+            tag = b',"flywheel":' + meta + b"}"
+            attempt = self._attempts[key] = _Attempt(url, version, self.replica_name(url), headers, tag)
         return attempt
 
     def why_unroutable(self) -> str:
@@ -493,7 +623,7 @@ class Router:
             async with resp:
                 if resp.status >= 500:
                     text = await _read_quietly(resp)
-                    self.metrics.failures.labels(url, f"http_{resp.status}").inc()
+                    self.metrics.failures.labels(attempt.name, f"http_{resp.status}").inc()
                     raise UpstreamFailed(url, f"HTTP {resp.status}", text[:300].decode("utf-8", "replace"))
                 health = self.health.get(url)
                 if health is not None:
@@ -517,7 +647,7 @@ class Router:
         headers = [(b"content-type", content_type), (b"content-length", str(len(data)).encode()), *attempt.headers]
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
-        self.metrics.answered(attempt.version, attempt.url, resp.status)
+        self.metrics.answered(attempt.version, attempt.name, resp.status)
 
     async def _stream(
         self, attempt: _Attempt, resp: aiohttp.ClientResponse, content_type: bytes, receive: Receive, send: Send
@@ -546,12 +676,12 @@ class Router:
                 raise aiohttp.ClientPayloadError("the replica ended the stream without its final [DONE] event")
         except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "stream", f"{type(err).__name__}: {err}")
-            self.metrics.stream_errors.labels(attempt.url).inc()
+            self.metrics.stream_errors.labels(attempt.name).inc()
             await send({"type": "http.response.body", "body": sse_error(attempt, err), "more_body": True})
         finally:
             disconnected.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        self.metrics.answered(attempt.version, attempt.url, 200)
+        self.metrics.answered(attempt.version, attempt.name, 200)
 
     # -- local answers -----------------------------------------------------------------------
 
@@ -660,10 +790,13 @@ class RouterApp:
             if path in PROXIED:
                 if method != "POST":
                     raise RouterError(405, f"{path} takes POST, not {method}", "method_not_allowed")
+                await self.router.authorize(_header(scope, b"authorization"))
                 await self._completion(scope, path, receive, send)
             elif path in LOCAL_GET:
                 if method not in ("GET", "HEAD"):
                     raise RouterError(405, f"{path} takes GET, not {method}", "method_not_allowed")
+                if path in KEYED:
+                    await self.router.authorize(_header(scope, b"authorization"))
                 await self._local(path, send)
             else:
                 raise RouterError(
@@ -671,7 +804,7 @@ class RouterApp:
                 )
         except RouterError as err:
             self.router.metrics.rejected.labels(str(err.status)).inc()
-            await _respond(send, err.status, err.body())
+            await _respond(send, err.status, err.body(), extra=err.headers)
 
     async def _local(self, path: str, send: Send) -> None:
         router = self.router
@@ -679,28 +812,21 @@ class RouterApp:
             await _respond(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
             await _respond(send, *router.ready_body())
-        elif path == "/v1/models":
-            await _respond(send, 200, router.models_body())
         else:
-            await _respond(
-                send, 200, generate_latest(router.metrics.registry), b"text/plain; version=0.0.4; charset=utf-8"
-            )
+            await _respond(send, 200, router.models_body())
 
     async def _completion(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
         session_id = None
+        limit = self.router.cfg.max_request_bytes
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if not value.isdigit():
                     raise RouterError(400, "content-length is not a number", "invalid_request_error")
-                if int(value) > MAX_BODY_BYTES:
-                    raise RouterError(
-                        413,
-                        f"request body of {int(value)} bytes exceeds the limit of {MAX_BODY_BYTES}",
-                        "request_too_large",
-                    )
+                if int(value) > limit:
+                    raise RouterError(413, _too_large(limit, int(value)), "request_too_large")
             elif name == _SESSION_HEADER_BYTES:
                 session_id = value.decode("latin-1") or None
-        raw = await _read_body(receive)
+        raw = await _read_body(receive, limit)
         try:
             payload = json.loads(raw)
         except ValueError as err:
@@ -717,7 +843,20 @@ class RouterApp:
         await self.router.proxy(path, payload, session_id, receive, send)
 
 
-async def _read_body(receive: Receive) -> bytes:
+def _header(scope: Scope, wanted: bytes) -> str | None:
+    """The first value of the request header ``wanted`` (lower case), or None."""
+    for name, value in scope["headers"]:
+        if name == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+def _too_large(limit: int, size: int | None) -> str:
+    of = f" of {size} bytes" if size is not None else ""
+    return f"request body{of} exceeds the limit of {limit} bytes (serving.max_request_bytes)"
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -726,15 +865,21 @@ async def _read_body(receive: Receive) -> bytes:
             raise RouterError(400, "the client went away before sending its whole body", "invalid_request_error")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RouterError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", "request_too_large")
+        if size > limit:
+            raise RouterError(413, _too_large(limit, None), "request_too_large")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _respond(send: Send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(extra or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

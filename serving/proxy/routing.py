@@ -61,6 +61,8 @@ class ReplicaRow:
     state: str
     """``serving``, ``draining``, ``swapping`` or ``failed``; only ``serving`` gets new requests."""
     policy_version: str | None
+    id: int | None = None
+    """The row's id: what the router's metrics call the replica (never its internal URL)."""
 
 
 @dataclass(frozen=True)

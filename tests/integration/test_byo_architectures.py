@@ -92,6 +92,7 @@ class Loop:
 def loop(request: pytest.FixtureRequest, pg_url: str, kafka_bootstrap: str, tmp_path_factory) -> Iterator[Loop]:
     from flywheel.demo.byo import REWARD_RULES
     from flywheel.demo.chat_agent import ChatAgent
+    from flywheel.demo.loop import product_key
     from flywheel.model.zoo import zoo_model
     from flywheel.sdk import Flywheel
     from flywheel.stack import down, up
@@ -149,9 +150,10 @@ def loop(request: pytest.FixtureRequest, pg_url: str, kafka_bootstrap: str, tmp_
             )
             group.start()
             router = f"http://{settings.serving.router_host}:{settings.serving.router_port}"
-            fw = Flywheel(project=f"byo-{arch}-{uuid.uuid4().hex[:6]}", transport="kafka",
-                          kafka_bootstrap=kafka_bootstrap, spool_dir=tmp / "spool")  # fmt: skip
-            agent = ChatAgent(fw, router, concurrency=1, seed=0)
+            project = f"byo-{arch}-{uuid.uuid4().hex[:6]}"
+            fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=kafka_bootstrap,
+                          spool_dir=tmp / "spool")  # fmt: skip
+            agent = ChatAgent(fw, router, api_key=product_key(engine, project), concurrency=1, seed=0)
             yield Loop(arch, folder, settings, engine, agent, fw, db_url, policy_version, tmp)
         finally:
             if fw is not None:

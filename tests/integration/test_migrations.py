@@ -97,6 +97,15 @@ def test_schema_enforces_invariants(empty_db):
                         "INSERT INTO api_keys (name, role, token_prefix, token_hash) VALUES ('k', 'writer', 'fw_', 'h')"
                     )
                 )
+        # and so must a router product key
+        with pytest.raises(Exception, match="product_has_project"):
+            with engine.begin() as conn:
+                conn.execute(
+                    text(
+                        "INSERT INTO api_keys (name, role, token_prefix, token_hash) "
+                        "VALUES ('p', 'product', 'fwp_', 'h')"
+                    )
+                )
         # reward versions are unique per session
         with engine.begin() as conn:
             conn.execute(

@@ -26,10 +26,12 @@ import httpx
 import openai
 import pytest
 from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
+from prometheus_client import generate_latest
 from sqlalchemy import Engine, delete, update
 from sqlalchemy.orm import Session
 
 from flywheel.core import vllm_admin
+from flywheel.core.auth import create_key
 from flywheel.core.db import migrate
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment, Replica
@@ -54,6 +56,12 @@ class Fleet:
     base_version: str
     engine: Engine
     model_dir: Path
+    key: str
+    """A product key (rate limit out of the way: these tests load the router on purpose)."""
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
 
 
 class RouterThread:
@@ -114,8 +122,10 @@ def fleet(pg_url: str, base_model_dir: Path, tmp_path_factory: pytest.TempPathFa
                 s.add(Checkpoint(id=version, policy_version=version, parent_id=parent, base_model=str(base_model_dir),
                                  path=str(base_model_dir), format="full", status="deployed"))  # fmt: skip
                 s.flush()
+            _, key = create_key(s, name="router-test", role="product", project="router-test", rate_per_s=1e6,
+                                burst=1_000_000)  # fmt: skip
             s.commit()
-        yield Fleet(settings, [r.where for r in records], base, engine, base_model_dir)
+        yield Fleet(settings, [r.where for r in records], base, engine, base_model_dir, key)
     finally:
         down(settings, ["vllm"])
         engine.dispose()
@@ -175,7 +185,7 @@ def stable_router(fleet: Fleet) -> Iterator[RouterThread]:
 
 
 def test_openai_client_through_the_router(fleet: Fleet, stable_router: RouterThread) -> None:
-    client = openai.OpenAI(api_key="unused", base_url=f"{stable_router.url}/v1", max_retries=0)
+    client = openai.OpenAI(api_key=fleet.key, base_url=f"{stable_router.url}/v1", max_retries=0)
     messages = [{"role": "user", "content": "2+3="}]
 
     raw = client.chat.completions.with_raw_response.create(model=fleet.base_version, messages=messages, max_tokens=8)
@@ -210,8 +220,10 @@ def test_openai_client_through_the_router(fleet: Fleet, stable_router: RouterThr
     assert httpx.get(f"{stable_router.url}/health").status_code == 200
     ready = httpx.get(f"{stable_router.url}/ready")
     assert ready.status_code == 200 and set(ready.json()["routable"][fleet.base_version]) == set(fleet.urls)
-    metrics = httpx.get(f"{stable_router.url}/router/metrics").text
+    assert httpx.get(f"{stable_router.url}/router/metrics").status_code == 404  # not on the public port
+    metrics = generate_latest(stable_router.router.metrics.registry).decode()
     assert "flywheel_router_requests_total" in metrics and fleet.base_version in metrics
+    assert not any(url in metrics for url in fleet.urls)  # replicas are named by id
 
 
 @pytest.mark.parametrize(
@@ -230,15 +242,16 @@ def test_dev_endpoints_are_not_reachable(fleet: Fleet, stable_router: RouterThre
 
 def test_bad_requests_get_a_reason(fleet: Fleet, stable_router: RouterThread) -> None:
     url = f"{stable_router.url}/v1/completions"
-    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    auth = fleet.auth
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json", **auth})
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
-    too_big = httpx.post(url, content=b"x" * (2 << 20))
+    too_big = httpx.post(url, content=b"x" * (2 << 20), headers=auth)
     assert too_big.status_code == 413 and "exceeds" in too_big.json()["error"]["message"]
-    unknown = httpx.post(url, json={"model": "gpt-9", "prompt": "x", "max_tokens": 2})
+    unknown = httpx.post(url, json={"model": "gpt-9", "prompt": "x", "max_tokens": 2}, headers=auth)
     assert unknown.status_code == 404 and fleet.base_version in unknown.json()["error"]["message"]
     wrong_method = httpx.get(url)
     assert wrong_method.status_code == 405
-    upstream_400 = httpx.post(url, json={"model": fleet.base_version, "prompt": "x", "max_tokens": -1})
+    upstream_400 = httpx.post(url, json={"model": fleet.base_version, "prompt": "x", "max_tokens": -1}, headers=auth)
     assert upstream_400.status_code == 400  # vLLM's own validation answer, passed through
     assert upstream_400.headers["x-flywheel-policy-version"] == fleet.base_version
 
@@ -247,7 +260,7 @@ def test_sessions_stay_on_one_version_at_half_canary(fleet: Fleet) -> None:
     configure(fleet, [fleet.base_version, CANARY], 0.5)
     with RouterThread(router_settings(fleet), fleet.engine) as rt:
         wait_for(lambda: len(rt.router.routes.by_version) == 2, 20, "both versions routable")
-        client = openai.OpenAI(api_key="unused", base_url=f"{rt.url}/v1", max_retries=0)
+        client = openai.OpenAI(api_key=fleet.key, base_url=f"{rt.url}/v1", max_retries=0)
         seen: dict[str, set[tuple[str, str]]] = {}
 
         def session_run(i: int) -> None:
@@ -286,6 +299,7 @@ def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
             r = httpx.post(
                 f"{rt.url}/v1/completions",
                 json={"model": fleet.base_version, "prompt": f"{i}", "max_tokens": 2},
+                headers=fleet.auth,
                 timeout=60,
             )
             assert r.status_code == 200
@@ -297,13 +311,13 @@ def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
         wait_for(lambda: routable_urls(rt.router) == set(fleet.urls), 20, "the drained replica back")
 
 
-def open_stream(router_url: str, model: str) -> tuple[Any, str, Iterator[Any]]:
+def open_stream(router_url: str, model: str, key: str) -> tuple[Any, str, Iterator[Any]]:
     """A long text stream (32 x 240 tokens) through the router, after its first chunk: (context, replica, rest).
 
     Long enough to be still generating when the test kills its replica: with 8 x 240 tokens a
     fast machine had finished one (and the router buffered it whole) before the kill landed.
     """
-    client = openai.OpenAI(api_key="unused", base_url=f"{router_url}/v1", max_retries=0)
+    client = openai.OpenAI(api_key=key, base_url=f"{router_url}/v1", max_retries=0)
     context = client.completions.with_streaming_response.create(
         model=model, prompt="1", max_tokens=240, n=32, stream=True, extra_body={"ignore_eos": True}
     )
@@ -321,7 +335,7 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         results: list[tuple[float, int, str | None]] = []
 
         def load() -> None:
-            with httpx.Client(timeout=120) as http:
+            with httpx.Client(timeout=120, headers=fleet.auth) as http:
                 while not stop.is_set():
                     r = http.post(
                         f"{rt.url}/v1/completions",
@@ -337,10 +351,10 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
             wait_for(lambda: {r for _, _, r in results} == set(fleet.urls), 60, "load on both replicas")
             # Long streams that have started (first chunk read): the first one's replica survives;
             # the first one landing elsewhere (least outstanding) is broken by the kill at once.
-            streams.append(open_stream(rt.url, fleet.base_version))
+            streams.append(open_stream(rt.url, fleet.base_version, fleet.key))
             survivor = streams[0][1]
             for _ in range(8):
-                streams.append(open_stream(rt.url, fleet.base_version))
+                streams.append(open_stream(rt.url, fleet.base_version, fleet.key))
                 if streams[-1][1] != survivor:
                     break
             broken = streams[-1]
@@ -366,7 +380,7 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         fault_figures(unit="requests", sent=len(results), stored=ok, distinct=ok)
         assert all(s == 200 for _, s, _ in results), Counter(s for _, s, _ in results)
         assert after and all(r == survivor for _, r in after)
-        assert rt.router.metrics.ejections.labels(victim)._value.get() >= 1
+        assert rt.router.metrics.ejections.labels(rt.router.replica_name(victim))._value.get() >= 1
 
         up(fleet.settings, ["vllm"], model_dir=fleet.model_dir)  # restarts the dead replica
         warm(victim, fleet.base_version)
@@ -375,11 +389,12 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
             httpx.post(
                 f"{rt.url}/v1/completions",
                 json={"model": fleet.base_version, "prompt": "1", "max_tokens": 2},
+                headers=fleet.auth,
                 timeout=60,
             ).headers["x-flywheel-replica"]  # fmt: skip
             for _ in range(30)
         )
-        assert served[victim] > 0 and rt.router.metrics.rejoins.labels(victim)._value.get() >= 1
+        assert served[victim] > 0 and rt.router.metrics.rejoins.labels(rt.router.replica_name(victim))._value.get() >= 1
 
 
 def _router_process(fleet: Fleet, port: int, log_path: Path) -> subprocess.Popen[bytes]:
@@ -410,7 +425,10 @@ def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(
     def ready() -> bool:
         try:
             r = httpx.post(
-                f"{url}/v1/completions", json={"model": fleet.base_version, "prompt": "1", "max_tokens": 1}, timeout=5
+                f"{url}/v1/completions",
+                json={"model": fleet.base_version, "prompt": "1", "max_tokens": 1},
+                headers=fleet.auth,
+                timeout=5,
             )
             return r.status_code == 200
         except httpx.HTTPError:
@@ -423,7 +441,7 @@ def test_a_router_killed_under_load_restarts_and_no_request_or_session_is_lost(
     answered = Counter[str]()
 
     def session_loop(i: int) -> None:
-        client = openai.OpenAI(api_key="unused", base_url=f"{url}/v1", max_retries=8, timeout=60)
+        client = openai.OpenAI(api_key=fleet.key, base_url=f"{url}/v1", max_retries=8, timeout=60)
         turn = 0
         while not stop.is_set():
             sid = f"kill-{i}-{turn // 3}"  # three requests per session, then a new session

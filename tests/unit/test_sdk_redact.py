@@ -23,6 +23,7 @@ redact = Redactor()
         ("aws AKIAIOSFODNN7EXAMPLE key", "AKIAIOSFODNN7EXAMPLE"),
         ("slack xoxb-123456789012-abcdefABCDEF", "xoxb-123456789012-abcdefABCDEF"),
         ("flywheel key fwk_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "fwk_AbCdEfGhIjKlMnOpQrStUvWxYz012345"),
+        ("product key fwp_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "fwp_AbCdEfGhIjKlMnOpQrStUvWxYz012345"),
         ("Authorization: Bearer abc.def-ghi_jkl~mno+pqr", "abc.def-ghi_jkl~mno+pqr"),
         (
             "jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
@@ -58,7 +59,8 @@ def test_default_redactor_keeps_ordinary_text(text: str) -> None:
 PIECES = [
     "a@b.io", "x.y+z@mail.example.co.uk", "sk-proj-abcdefghijklmnopqrstuvwxyz012345", "gh",
     "ghp_abcdefghijklmnopqrstuvwxyz0123", "AKIAIOSFODNN7EXAMPLE", "AIzaSyA-abcdefghijklmnopqrstuvwxyz01234",
-    "xoxb-123456789012-abc", "fwk_AbCdEfGhIjKlMnOpQrStUvWx", "Bearer abc.def-ghi_jkl~mno", "BEARER abcdefghijklmnop",
+    "xoxb-123456789012-abc", "fwk_AbCdEfGhIjKlMnOpQrStUvWx", "fwp_AbCdEfGhIjKlMnOpQrStUvWx",
+    "Bearer abc.def-ghi_jkl~mno", "BEARER abcdefghijklmnop",
     "eyJhbGciOiJI.eyJzdWIiOiIx.dozjgNryP4J3", "password=hunter2hunter2", 'API_KEY: "abcdefgh"', "TOKEN=xyzxyzxyz",
     "pAsSwOrD = 'qwertyuiop'", "4111 1111 1111 1111", "5500-0000-0000-0004", "4111111111111112", "-4111111111111111",
     "1700000000000", "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----", " ", "-", "_", "1", "@",

@@ -210,34 +210,50 @@ def test_splice_tag_keeps_the_body_valid_json() -> None:
 
 
 async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:
-    """The ASGI app without replicas: the allow-list, size and JSON checks, readiness (no upstream needed)."""
+    """The ASGI app without replicas: the allow-list, keys, size and JSON checks, readiness (no upstream needed)."""
     import httpx
+    from prometheus_client import generate_latest
 
+    from flywheel.core.auth import KeyInfo, hash_token
     from flywheel.core.settings import Settings
-    from serving.proxy.router import MAX_BODY_BYTES, create_app
+    from serving.proxy.router import create_app
 
     base = Settings()
-    settings = base.model_copy(
-        update={"serving": base.serving.model_copy(update={"refresh_s": 0.05, "health_timeout_s": 0.05})}
-    )
-    app = create_app(settings)
+    serving = base.serving.model_copy(update={"refresh_s": 0.05, "health_timeout_s": 0.05, "max_request_bytes": 4096})
+    app = create_app(base.model_copy(update={"serving": serving}))
+    key = "fwp_" + "k" * 32
+    auth = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info"),
-                             ("GET", "/metrics"), ("POST", "/v1/load_lora_adapter"), ("POST", "/tokenize"),
-                             ("GET", "/")]:  # fmt: skip
-            response = await client.request(method, path)
+                             ("GET", "/metrics"), ("GET", "/router/metrics"), ("POST", "/v1/load_lora_adapter"),
+                             ("POST", "/tokenize"), ("GET", "/")]:  # fmt: skip
+            response = await client.request(method, path, headers=auth)
             assert response.status_code == 404 and "no route" in response.json()["error"]["message"], path
         assert (await client.get("/v1/completions")).status_code == 405
         assert (await client.post("/health")).status_code == 405
-        too_big = await client.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1))
+        missing = await client.post("/v1/completions", json={"prompt": "x"})
+        assert missing.status_code == 401 and "missing product key" in missing.json()["error"]["message"]
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert (await client.get("/v1/models")).status_code == 401
+        never_read = await client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+        assert never_read.status_code == 503 and "key table was never read" in never_read.json()["error"]["message"]
+
+        app.router.apply_keys({hash_token(key): KeyInfo(1, "agent", "product", "p", key[:12])})
+        too_big = await client.post("/v1/completions", content=b"x" * 4097, headers=auth)
         assert too_big.status_code == 413
-        bad = await client.post("/v1/chat/completions", content=b"[1, 2")
+        assert "limit of 4096 bytes (serving.max_request_bytes)" in too_big.json()["error"]["message"]
+        bad = await client.post("/v1/chat/completions", content=b"[1, 2", headers=auth)
         assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
-        assert (await client.post("/v1/completions", content=b"[1]")).status_code == 400
+        assert (await client.post("/v1/completions", content=b"[1]", headers=auth)).status_code == 400
         assert (await client.get("/health")).json() == {"status": "ok"}
         ready = await client.get("/ready")
         assert ready.status_code == 503 and "never read" in ready.json()["reason"]
-        unroutable = await client.post("/v1/completions", json={"prompt": "x"})
+        unroutable = await client.post("/v1/completions", json={"prompt": "x"}, headers=auth)
         assert unroutable.status_code == 503 and "no routable replica" in unroutable.json()["error"]["message"]
-        assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
-        assert "flywheel_router_rejected_total" in (await client.get("/router/metrics")).text
+        models = await client.get("/v1/models", headers=auth)
+        assert models.status_code == 200 and models.json() == {"object": "list", "data": []}
+        unknown = await client.get("/v1/models", headers={"Authorization": "Bearer fwp_" + "u" * 32})
+        assert unknown.status_code == 401 and unknown.json()["error"]["message"] == "unknown product key"
+    metrics = generate_latest(app.router.metrics.registry).decode()
+    assert 'flywheel_router_refused_total{code="missing_api_key"} 2.0' in metrics
+    assert "flywheel_router_rejected_total" in metrics

@@ -40,7 +40,9 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-ROLES = ("viewer", "operator", "admin", "writer")
+ROLES = ("viewer", "operator", "admin", "writer", "product")
+PROJECT_ROLES = ("writer", "product")
+"""Roles whose keys are scoped to one project: gateway write keys and the router's product keys."""
 CHECKPOINT_STATUSES = ("candidate", "rejected", "deployed", "retired", "deleted")
 CYCLE_STATUSES = ("running", "skipped", "failed", "candidate", "rejected")
 DEPLOYMENT_STATUSES = ("pending", "active", "promoted", "rolled_back", "failed", "superseded")
@@ -351,7 +353,8 @@ class Replica(Base):
 
 
 class ApiKey(Base):
-    """A gateway write key (role ``writer``, scoped to one project) or an ops token; only the hash is stored."""
+    """A gateway write key (role ``writer``), a router product key (role ``product``), both scoped to one
+    project, or an ops token; only the hash is stored."""
 
     __tablename__ = "api_keys"
 
@@ -366,10 +369,17 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = _now()
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rate_per_s: Mapped[float | None] = mapped_column(Float)
+    """A product key's own router rate limit (requests per second); None: ``serving.key_rate_per_s``."""
+    burst: Mapped[int | None] = mapped_column(Integer)
+    """A product key's own burst (requests above the rate); None: ``serving.key_burst``."""
 
     __table_args__ = (
         CheckConstraint(_in("role", ROLES), name="role_known"),
         CheckConstraint("role <> 'writer' OR project IS NOT NULL", name="writer_has_project"),
+        CheckConstraint("role <> 'product' OR project IS NOT NULL", name="product_has_project"),
+        CheckConstraint("rate_per_s IS NULL OR rate_per_s > 0", name="rate_positive"),
+        CheckConstraint("burst IS NULL OR burst >= 1", name="burst_positive"),
     )
 
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from flywheel.core.settings.ingest import IngestSettings
@@ -30,8 +30,6 @@ from flywheel.core.settings.rewarding import DetectorSettings, RewardingSettings
 from flywheel.core.settings.serving import CanarySettings, ServingSettings
 from flywheel.core.settings.trainer import TrainerSettings
 from flywheel.core.settings.vllm import VllmSettings
-
-PLACEHOLDER_SECRETS = {"changeme", "change-me", "secret", "password", "admin", ""}
 
 
 class Settings(BaseSettings):
@@ -45,11 +43,9 @@ class Settings(BaseSettings):
     )
 
     environment: Literal["development", "test", "production"] = "development"
-    """Deployment kind; placeholder secrets are refused outside development and test."""
+    """Deployment kind."""
     run_dir: Path = Path(".flywheel/run")
     """Run folder of the local stack: logs, data of embedded servers, stack.json."""
-    secret_key: SecretStr = SecretStr("dev-only-secret")
-    """Key for signing and hashing tokens; must be a real secret in production."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     """Broker."""
     postgres: PostgresSettings = Field(default_factory=PostgresSettings)
@@ -69,17 +65,6 @@ class Settings(BaseSettings):
     serving: ServingSettings = Field(default_factory=ServingSettings)
     """Router, hot swap, canary controller and admin API."""
 
-    @model_validator(mode="after")
-    def _no_placeholder_secrets(self) -> Settings:
-        if self.environment == "production":
-            value = self.secret_key.get_secret_value()
-            if value.lower() in PLACEHOLDER_SECRETS or value.startswith("dev-") or len(value) < 16:
-                raise ValueError(
-                    "secret_key: a placeholder or short secret is refused in production; "
-                    "set FLYWHEEL_SECRET_KEY to at least 16 random characters"
-                )
-        return self
-
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
@@ -93,7 +78,6 @@ __all__ = [
     "IngestSettings",
     "KafkaSettings",
     "ModelSettings",
-    "PLACEHOLDER_SECRETS",
     "PostgresSettings",
     "RedisSettings",
     "RewardingSettings",
