@@ -52,7 +52,7 @@ def check_key(authorization: str | None, keys: Mapping[str, KeyInfo], projects: 
     if info.role != "product" or not info.project:
         raise AccessDenied(
             403,
-            f"a {info.role} key ({info.token_prefix}…) cannot call the router; use a project's product key (fwp_…)",
+            f"a key of role {info.role} ({info.token_prefix}…) cannot call the router; use a project's product key",
             "wrong_key_role",
         )
     if projects and info.project not in projects:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,9 +26,12 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app as cli_app
 from flywheel.core.auth import create_key, revoke_key
+from flywheel.core.contracts import Completion
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import ApiKey, Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
+from flywheel.sdk import Flywheel
+from flywheel.sdk.transports.memory import MemoryTransport
 from serving.proxy.router import Router, create_app, uvicorn_config
 
 pytestmark = pytest.mark.integration
@@ -140,6 +144,28 @@ def test_a_product_key_gets_completions_through_the_openai_client(served: Served
     wait_for(used, 10, "the key's last_used_at recorded")
 
 
+def test_the_sdks_wrapped_client_sends_the_product_key_and_logs_the_routed_version(
+    served: Served, tmp_path: Path
+) -> None:
+    _, key = new_key(served.engine)
+    with Flywheel(project=PROJECT, transport=MemoryTransport(), spool_dir=tmp_path) as fw:
+        client = fw.wrap_openai(openai.OpenAI(api_key=key, base_url=f"{served.url}/v1", max_retries=0))
+        with fw.session():
+            client.chat.completions.create(
+                model=served.model, messages=[{"role": "user", "content": "3+4="}], max_tokens=4
+            )
+        assert fw.flush(10)
+        (completion,) = [e for e in fw.transport.events() if isinstance(e, Completion)]
+    assert completion.policy_version == served.version
+    unkeyed = Flywheel(project=PROJECT, transport=MemoryTransport(), spool_dir=tmp_path / "b")
+    try:
+        bad = unkeyed.wrap_openai(openai.OpenAI(api_key="unused", base_url=f"{served.url}/v1", max_retries=0))
+        with pytest.raises(openai.AuthenticationError, match="unknown product key"):
+            bad.completions.create(model=served.model, prompt="1", max_tokens=1)
+    finally:
+        unkeyed.close(2)
+
+
 def test_missing_unknown_revoked_and_wrong_keys_are_refused_with_a_reason(served: Served) -> None:
     missing = complete(served)
     assert missing.status_code == 401 and "missing product key" in message(missing)
@@ -153,7 +179,7 @@ def test_missing_unknown_revoked_and_wrong_keys_are_refused_with_a_reason(served
 
     _, writer = new_key(served.engine, role="writer")
     wrong_role = complete(served, bearer(writer))
-    assert wrong_role.status_code == 403 and "a writer key" in message(wrong_role)
+    assert wrong_role.status_code == 403 and "role writer" in message(wrong_role)
     _, ops = new_key(served.engine, role="operator", project=None)
     assert complete(served, bearer(ops)).status_code == 403
     _, foreign = new_key(served.engine, project="billing")

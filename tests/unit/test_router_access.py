@@ -38,7 +38,7 @@ def test_each_refusal_has_its_status_and_reason() -> None:
     revoked = denied(f"Bearer {REVOKED}")
     assert revoked.status == 401 and "revoked" in revoked.reason
     writer = denied(f"Bearer {WRITER}")
-    assert writer.status == 403 and "writer key" in writer.reason and writer.code == "wrong_key_role"
+    assert writer.status == 403 and "role writer" in writer.reason and writer.code == "wrong_key_role"
     other = denied(f"Bearer {PRODUCT}", ("billing",))
     assert other.status == 403 and "'shop'" in other.reason and "billing" in other.reason
 
