@@ -15,9 +15,19 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 SERVICES = COMPOSE["services"]
-OURS = {name: svc for name, svc in SERVICES.items() if str(svc.get("image", "")).startswith("flywheel")}
 SECRETISH = re.compile(r"(PASSWORD|SECRET|TOKEN|_KEY$|WRITE_KEY)", re.I)
 ENV_REF = re.compile(r"^\$\{[A-Z0-9_]+(:?[-?][^}]*)?\}$")
+IMAGE_REF = re.compile(r"^\$\{(?P<var>[A-Z0-9_]+):-(?P<default>[^}]+)\}$")
+
+
+def image_default(svc) -> str:
+    """The production image of a service: the default of its ``${VAR:-image}``."""
+    match = IMAGE_REF.match(str(svc.get("image", "")))
+    assert match, f"image {svc.get('image')!r} is not ${{VAR:-production image}}"
+    return match["default"]
+
+
+OURS = {name: svc for name, svc in SERVICES.items() if image_default(svc).startswith("flywheel")}
 
 
 def _click_command(script: str):
@@ -137,3 +147,14 @@ def test_vllm_fleet_has_two_gpu_replicas_with_dev_endpoints_enabled():
         assert svc["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in d["capabilities"] for d in devices)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_image_is_a_variable_defaulting_to_the_production_image(name):
+    svc = SERVICES[name]
+    production = {
+        "kafka": "apache/kafka:",
+        "postgres": "postgres:",
+        "redis": "redis:",
+    }.get(name, "vllm/vllm-openai:" if "vllm" in name else "flywheel:")
+    assert image_default(svc).startswith(production), f"{name}: {svc['image']}"
