@@ -25,11 +25,12 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from flywheel.cli import app as cli_app
-from flywheel.core.auth import create_key, revoke_key
+from flywheel.core.auth import create_key, hash_token, revoke_key
 from flywheel.core.contracts import Completion
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import ApiKey, Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
+from flywheel.demo.loop import product_key
 from flywheel.sdk import Flywheel
 from flywheel.sdk.transports.memory import MemoryTransport
 from serving.proxy.router import Router, create_app, uvicorn_config
@@ -130,7 +131,10 @@ def message(response: httpx.Response) -> str:
 
 
 def test_a_product_key_gets_completions_through_the_openai_client(served: Served) -> None:
-    key_id, key = new_key(served.engine)
+    key = product_key(served.engine, PROJECT)  # as the demo makes its agent's key
+    with Session(served.engine) as s:
+        key_id = s.scalar(select(ApiKey.id).where(ApiKey.token_hash == hash_token(key)))
+    assert key.startswith("fwp_") and key_id is not None
     client = openai.OpenAI(api_key=key, base_url=f"{served.url}/v1", max_retries=0)
     raw = client.completions.with_raw_response.create(model=served.model, prompt="1+1=", max_tokens=4)
     assert raw.http_response.status_code == 200 and raw.parse().choices[0].text is not None
