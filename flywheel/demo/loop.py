@@ -288,6 +288,12 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+DEMO_KEY_RATE_PER_S = 1000.0
+"""The demo agent's key rate (and burst): it is the whole product's traffic, which a fast replica
+answers faster than the router's per-key default; the demo and the benches measure the loop, not
+the limiter."""
+
+
 def product_key(engine: Any, project: str) -> str:
     """A product key of ``project`` for the router (what the agent product gives its ``openai`` client)."""
     from sqlalchemy.orm import Session
@@ -295,7 +301,10 @@ def product_key(engine: Any, project: str) -> str:
     from flywheel.core.auth import create_key
 
     with Session(engine) as session:
-        _, token = create_key(session, name=f"{project}-agent", role="product", project=project, created_by="demo")
+        _, token = create_key(
+            session, name=f"{project}-agent", role="product", project=project, created_by="demo",
+            rate_per_s=DEMO_KEY_RATE_PER_S, burst=int(DEMO_KEY_RATE_PER_S),
+        )  # fmt: skip
         session.commit()
     return token
 

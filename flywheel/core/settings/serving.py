@@ -99,10 +99,10 @@ class ServingSettings(BaseModel):
     """Port of the router's Prometheus endpoint; None: not served."""
     projects: list[str] = Field(default_factory=list, max_length=1000)
     """Projects whose product keys the router accepts; empty: every project's (other keys get 403)."""
-    key_rate_per_s: float = Field(20.0, gt=0, le=1_000_000)
+    key_rate_per_s: float = Field(50.0, gt=0, le=1_000_000)
     """Requests per second one product key may send through one router process (a token bucket per key,
     per process: N router processes admit up to N times this); a key's own ``rate_per_s`` overrides it."""
-    key_burst: int = Field(40, ge=1, le=1_000_000)
+    key_burst: int = Field(100, ge=1, le=1_000_000)
     """Requests a product key may send at once (the bucket's size); a key's own ``burst`` overrides it."""
     max_request_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     """Largest request body the router accepts (413 beyond, naming this setting)."""
