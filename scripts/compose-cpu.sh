@@ -5,7 +5,7 @@
 # that asks for one), writes the result to .flywheel/compose-cpu.yml and runs docker-compose on it
 # with the arguments given. The project name is flywheel-cpu unless COMPOSE_PROJECT_NAME says.
 #
-#   POSTGRES_PASSWORD=... FLYWHEEL_SECRET_KEY=... scripts/compose-cpu.sh up -d
+#   POSTGRES_PASSWORD=... scripts/compose-cpu.sh up -d
 #   scripts/compose-cpu.sh ps
 set -euo pipefail
 cd "$(dirname "$0")/.."
