@@ -361,6 +361,9 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
             victim = broken[1]
             assert victim != survivor, "every stream went to the same replica"
             pid = load_state(fleet.settings).components[f"vllm-{fleet.urls.index(victim)}"].pid
+            # Frozen first, so the broken stream is still generating when the replica dies: on an idle
+            # machine a whole 32 x 240-token stream was once generated (and buffered) before the kill.
+            vllm_admin.pause(victim, mode="keep")
             os.killpg(pid, signal.SIGKILL)
             killed_at = time.monotonic()
             with pytest.raises(openai.APIError, match="failed mid-stream"):  # started: an error event, not silence

@@ -29,7 +29,7 @@ SETTINGS = {
     "plain": {"temperature": 1.0},
     "truncated": {"temperature": 0.7, "top_p": 0.9, "top_k": 50},
     "min_p": {"temperature": 0.8, "min_p": 0.1},
-    "top_k": {"temperature": 1.3, "top_k": 20},
+    "top_k": {"temperature": 1.3, "top_k": 5},
 }
 
 

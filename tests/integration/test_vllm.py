@@ -64,7 +64,8 @@ def test_the_replica_runs_niced_and_its_worker_pinned_as_the_settings_say(vllm_r
     assert len(family) >= 3  # API server, engine core, worker
     assert {p.nice() for p in family} == {stack_settings.vllm.nice}
     pinned = [
-        p.cpu_affinity() for p in family if "Worker" in " ".join(p.cmdline()) or p.name().startswith("VLLM::Worker")
+        # The worker by its process title (the server's own argv names the worker extension class).
+        p.cpu_affinity() for p in family if p.name().startswith("VLLM::Worker") or p.cmdline()[:1] == ["VLLM::Worker"]
     ]
     assert pinned and all(cores == [int(cpu_binding(stack_settings.vllm.cpu_binding, 0))] for cores in pinned), pinned
 
