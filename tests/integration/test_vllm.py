@@ -65,7 +65,9 @@ def test_the_replica_runs_niced_and_its_worker_pinned_as_the_settings_say(vllm_r
     assert {p.nice() for p in family} == {stack_settings.vllm.nice}
     pinned = [
         # The worker by its process title (the server's own argv names the worker extension class).
-        p.cpu_affinity() for p in family if p.name().startswith("VLLM::Worker") or p.cmdline()[:1] == ["VLLM::Worker"]
+        p.cpu_affinity()
+        for p in family
+        if p.name().startswith("VLLM::Worker") or p.cmdline()[:1] == ["VLLM::Worker"]
     ]
     assert pinned and all(cores == [int(cpu_binding(stack_settings.vllm.cpu_binding, 0))] for cores in pinned), pinned
 
