@@ -40,6 +40,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         env_file=".env",
         extra="ignore",
+        hide_input_in_errors=True,  # a validation error must not echo a password (kafka.sasl_password, URLs)
     )
 
     environment: Literal["development", "test", "production"] = "development"
