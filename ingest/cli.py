@@ -176,15 +176,15 @@ def check(
 def _health_problems(settings, bootstrap: str, conninfo: str) -> list[str]:
     """What keeps ingest from working: an unreachable broker, a missing topic, a missing schema."""
     import psycopg
-    from kafka import KafkaConsumer
     from kafka.errors import KafkaError
 
+    from flywheel.core import kafka_clients
     from flywheel.core.contracts.topics import events_topic
 
     problems: list[str] = []
     topic = events_topic(settings.kafka.topic_prefix)
     try:
-        probe = KafkaConsumer(bootstrap_servers=bootstrap.split(","), bootstrap_timeout_ms=5000)
+        probe = kafka_clients.consumer(bootstrap, security=settings.kafka.security(), bootstrap_timeout_ms=5000)
         try:
             if topic not in probe.topics():
                 problems.append(f"broker {bootstrap}: topic {topic} does not exist (run `flywheel-ingest topics`)")

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 from pydantic_core import from_json
 
+from flywheel.core import kafka_clients
 from flywheel.core.contracts.events import ContractError, Event, Feedback, parse_event, parse_event_fast
 from flywheel.core.contracts.ids import uuid7_time_ms
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
@@ -323,8 +324,9 @@ class IngestConsumer:
     def _make_consumer(self):
         ingest = self.settings.ingest
         session_timeout = min(ingest.max_poll_interval_ms, 45_000)
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap.split(","),
+        consumer = kafka_clients.consumer(
+            self.bootstrap,
+            security=self.settings.kafka.security(),
             group_id=ingest.group_id,
             client_id=f"flywheel-ingest-{socket.gethostname()}-{os.getpid()}",
             enable_auto_commit=False,
@@ -344,8 +346,9 @@ class IngestConsumer:
         return consumer
 
     def _make_producer(self):
-        return KafkaProducer(  # dead letters, and the resolved copies of unattached feedback
-            bootstrap_servers=self.bootstrap.split(","),
+        return kafka_clients.producer(  # dead letters, and the resolved copies of unattached feedback
+            self.bootstrap,
+            security=self.settings.kafka.security(),
             client_id=f"flywheel-ingest-{os.getpid()}",
             acks="all",
             max_request_size=2 * DLQ_VALUE_MAX + 64 * 1024,

@@ -33,11 +33,11 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
-from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from flywheel.core import kafka_clients
 from flywheel.core.auth import KeyInfo, bearer_token, find_key, hash_token
 from flywheel.core.contracts.events import ContractError, EventBase, dump_event, parse_event
 from flywheel.core.contracts.topics import events_topic
@@ -265,8 +265,9 @@ def produce(producer: ProducerLike, topic: str, events: Sequence[EventBase]) -> 
 
 def make_producer(settings: Settings) -> ProducerLike:
     """A KafkaProducer for the gateway: ``acks=all``, sized for the largest event (``kafka.max_record_bytes``)."""
-    return KafkaProducer(
-        bootstrap_servers=kafka_bootstrap(settings).split(","),
+    return kafka_clients.producer(
+        kafka_bootstrap(settings),
+        security=settings.kafka.security(),
         client_id="flywheel-ingest-gateway",
         acks="all",
         linger_ms=2,

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import KafkaError
 
+from flywheel.core import kafka_clients
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
 from flywheel.core.settings import Settings
 from ingest.limits import check_record_limit
@@ -71,7 +72,7 @@ def topic_specs(settings: Settings) -> list[TopicSpec]:
 def ensure_topics(settings: Settings, bootstrap: str, *, create: bool = True) -> list[TopicStatus]:
     """Create the missing ingest topics (when ``create``) and check every one against its spec."""
     specs = topic_specs(settings)
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="flywheel-ingest-topics")
+    admin = kafka_clients.admin(bootstrap, security=settings.kafka.security(), client_id="flywheel-ingest-topics")
     try:
         statuses = {spec.name: TopicStatus(spec) for spec in specs}
         if create:

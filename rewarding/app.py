@@ -54,7 +54,7 @@ from rewarding.scorer import ScoredSession, Scorer
 from rewarding.session_state import EventCache, SessionState, Windows
 from rewarding.store import RewardStore, StoreResult
 from rewarding.topics import Topics
-from rewarding.transport import Transport
+from rewarding.transport import Transport, broker_credentials
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +220,11 @@ class RewardingApp:
             web = {"web_enabled": True, "web_port": c.web_port, "web_bind": "127.0.0.1"}
         datadir = Path(self.settings.run_dir) / "rewarding"
         datadir.mkdir(parents=True, exist_ok=True)
+        security = self.settings.kafka.security()
         app = RewardingFaustApp(
             c.group_id,
             broker=[f"kafka://{b}" for b in bootstrap.split(",")],
+            broker_credentials=broker_credentials(security),
             store="memory://",
             datadir=str(datadir),
             table_standby_replicas=0,
@@ -251,6 +253,7 @@ class RewardingApp:
             app,
             fetch_max_wait_s=c.fetch_max_wait_s,
             fetch_max_bytes=self.settings.kafka.max_record_bytes,
+            security=security,
         )
         app.producer.buffer.max_messages = PRODUCER_BUFFER_MESSAGES
         return app

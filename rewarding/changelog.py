@@ -45,6 +45,7 @@ from faust.transport.drivers.aiokafka import server_list
 from faust.types import TP
 
 from flywheel.core.kafka_ends import fetched_ends
+from flywheel.core.kafka_security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,20 @@ class ChangelogTable(faust.Table):
 class _RealEnds:
     """The consumer as recovery sees it, with ``highwaters`` answered by :func:`fetched_ends`."""
 
-    def __init__(self, consumer: Any, bootstrap: Sequence[str]):
+    def __init__(self, consumer: Any, bootstrap: Sequence[str], security: KafkaSecurity):
         self._consumer = consumer
         self._bootstrap = bootstrap
+        self._security = security
 
     async def highwaters(self, *tps: TP) -> dict[TP, int]:
         reported = await self._consumer.highwaters(*tps)
         ends = await asyncio.to_thread(
-            fetched_ends, self._bootstrap, reported, FETCH_TIMEOUT_S, client_id="flywheel-rewarding-recovery"
+            fetched_ends,
+            self._bootstrap,
+            reported,
+            FETCH_TIMEOUT_S,
+            security=self._security,
+            client_id="flywheel-rewarding-recovery",
         )
         for tp, end in sorted(ends.items()):
             if end != (reported.get(tp) or 0):
@@ -110,7 +117,8 @@ class ChangelogEndRecovery(Recovery):
 
     async def _build_highwaters(self, consumer: Any, tps: Any, destination: Any, title: str) -> None:
         bootstrap = server_list(self.app.conf.broker, 9092)
-        await super()._build_highwaters(_RealEnds(consumer, bootstrap), tps, destination, title)
+        security = self.app.transport.security  # rewarding.transport.Transport: the broker's TLS/SASL options
+        await super()._build_highwaters(_RealEnds(consumer, bootstrap, security), tps, destination, title)
 
 
 class RewardingTableManager(TableManager):

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kafka import KafkaProducer
-
+from flywheel.core import kafka_clients
 from flywheel.core.contracts.events import EventBase, dump_event
+from flywheel.core.kafka_security import PLAINTEXT, KafkaSecurity
 
 T = TypeVar("T")
 READY_MARK = "[^Worker]: Ready"
@@ -151,9 +151,9 @@ def wait_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: 
         time.sleep(interval_s)
 
 
-def make_producer(bootstrap: str):
+def make_producer(bootstrap: str, security: KafkaSecurity = PLAINTEXT):
     """A kafka-python producer as the SDK configures one (key = session id, acks=all)."""
-    return KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all", linger_ms=5)
+    return kafka_clients.producer(bootstrap, security=security, acks="all", linger_ms=5)
 
 
 def produce(producer, topic: str, events: Iterable[EventBase], flush: bool = True) -> int:

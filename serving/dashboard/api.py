@@ -28,10 +28,11 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from flywheel.core import kafka_clients
 from flywheel.core.contracts.topics import events_topic
 from flywheel.core.endpoints import kafka_bootstrap
 from flywheel.core.kafka_ends import fetched_ends
@@ -79,15 +80,16 @@ def measure_kafka_lag(settings: Settings, timeout_s: float = KAFKA_TIMEOUT_S) ->
     topic = events_topic(settings.kafka.topic_prefix)
     group = settings.ingest.group_id
     timeout_ms = int(timeout_s * 600)  # each client gives up well within the caller's cap
+    security = settings.kafka.security()
     common = {
-        "bootstrap_servers": bootstrap,
+        "security": security,
         "request_timeout_ms": max(timeout_ms, 1000),
         "bootstrap_timeout_ms": timeout_ms,
         "client_id": "flywheel-dashboard",
     }
-    admin = KafkaAdminClient(**common)
+    admin = kafka_clients.admin(bootstrap, **common)
     try:
-        consumer = KafkaConsumer(**common, group_id=None, enable_auto_commit=False)
+        consumer = kafka_clients.consumer(bootstrap, **common, group_id=None, enable_auto_commit=False)
     except Exception:
         admin.close()
         raise
@@ -98,7 +100,9 @@ def measure_kafka_lag(settings: Settings, timeout_s: float = KAFKA_TIMEOUT_S) ->
                 None, "records", f"topic {topic} does not exist on {','.join(bootstrap)}", topic=topic, group=group
             )
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        ends = fetched_ends(bootstrap, consumer.end_offsets(tps), timeout_s * 0.6, client_id="flywheel-dashboard")
+        ends = fetched_ends(
+            bootstrap, consumer.end_offsets(tps), timeout_s * 0.6, security=security, client_id="flywheel-dashboard"
+        )
         begins = consumer.beginning_offsets(tps)
         committed = {
             tp: meta.offset

@@ -125,6 +125,7 @@ def test_recovery_reads_each_changelog_partition_to_its_last_record(kafka_bootst
     from kafka import KafkaConsumer, TopicPartition
 
     from flywheel.core.kafka_ends import fetched_ends
+    from flywheel.core.kafka_security import PLAINTEXT
 
     topic = f"rwk-ends-{uuid.uuid4().hex[:8]}"
     topic_in_batches(kafka_bootstrap, topic, {0: (1, 3, 5), 1: (1,)})  # partition 0: offsets 0, 1-3, 4-8
@@ -135,7 +136,7 @@ def test_recovery_reads_each_changelog_partition_to_its_last_record(kafka_bootst
         consumer.close()
     reported = {TP(topic, tp.partition): end for tp, end in listed.items()}
 
-    ends = fetched_ends([kafka_bootstrap], reported, timeout_s=10.0)
+    ends = fetched_ends([kafka_bootstrap], reported, timeout_s=10.0, security=PLAINTEXT)
 
     assert ends == {TP(topic, 0): 9, TP(topic, 1): 1, TP(topic, 2): 0}, f"ListOffsets said {reported}"
 
