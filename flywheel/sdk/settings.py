@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from flywheel.core.contracts.events import MAX_TOKENS
+from flywheel.core.kafka_security import SDK_HINT, KafkaSecurity, SaslMechanism, SecurityProtocol, sdk_setting_name
 
 MAX_COMPLETION_TOKENS = 131_072
 """Default of ``max_completion_tokens``: the same as the services' ``ingest.max_completion_tokens``."""
@@ -21,7 +22,12 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 class SdkSettings(BaseSettings):
     """What an agent product's process configures for the SDK (read by ``Flywheel()``)."""
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        hide_input_in_errors=True,  # a validation error must not echo the write key or the SASL password
+    )
 
     project: str | None = None
     """Project (tenant) name; FLYWHEEL_PROJECT."""
@@ -31,6 +37,25 @@ class SdkSettings(BaseSettings):
     """How events leave the process; FLYWHEEL_TRANSPORT."""
     kafka_bootstrap: str | None = None
     """Broker for the Kafka transport; FLYWHEEL_KAFKA_BOOTSTRAP (required by that transport)."""
+    kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
+    """``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT`` or ``SASL_SSL`` (managed Kafka); FLYWHEEL_KAFKA_SECURITY_PROTOCOL."""
+    kafka_sasl_mechanism: SaslMechanism | None = None
+    """``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` (with ``SASL_*``); FLYWHEEL_KAFKA_SASL_MECHANISM."""
+    kafka_sasl_username: str | None = None
+    """SASL user name (with ``SASL_*``); FLYWHEEL_KAFKA_SASL_USERNAME."""
+    kafka_sasl_password: SecretStr | None = None
+    """SASL password (with ``SASL_*``); FLYWHEEL_KAFKA_SASL_PASSWORD."""
+    kafka_ssl_cafile: Path | None = None
+    """PEM file of the CA(s) that signed the broker's certificate, else the system's; FLYWHEEL_KAFKA_SSL_CAFILE."""
+    kafka_ssl_certfile: Path | None = None
+    """PEM client certificate for mutual TLS (may hold the key too); FLYWHEEL_KAFKA_SSL_CERTFILE."""
+    kafka_ssl_keyfile: Path | None = None
+    """PEM private key of the client certificate; FLYWHEEL_KAFKA_SSL_KEYFILE."""
+    kafka_ssl_key_password: SecretStr | None = None
+    """Password of an encrypted private key; FLYWHEEL_KAFKA_SSL_KEY_PASSWORD."""
+    kafka_ssl_check_hostname: bool = True
+    """Whether the broker's certificate must name its host (the chain is always verified);
+    FLYWHEEL_KAFKA_SSL_CHECK_HOSTNAME."""
     topic_prefix: str = "flywheel"
     """Topic prefix, as the services use it; FLYWHEEL_TOPIC_PREFIX."""
     gateway_url: str = "http://127.0.0.1:18080"
@@ -70,3 +95,32 @@ class SdkSettings(BaseSettings):
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, le=256 * 1024 * 1024)
     """Largest request the HTTP transport sends; FLYWHEEL_MAX_BODY_BYTES. A batch is split into requests of at most
     this size (the gateway's ``ingest.max_body_bytes``); an event alone is always sent."""
+
+    @model_validator(mode="after")
+    def _kafka_security_works(self) -> SdkSettings:
+        if self.transport == "kafka":
+            self.kafka_security()  # raises KafkaSecurityError (a ValueError), naming each setting to change
+        return self
+
+    def kafka_security(self) -> KafkaSecurity:
+        """The TLS and SASL options of the Kafka transport's producer (the same as the services')."""
+
+        def secret(value: SecretStr | None) -> str | None:
+            return value.get_secret_value() if value is not None else None
+
+        def path(value: Path | None) -> str | None:
+            return str(value) if value is not None else None
+
+        return KafkaSecurity(
+            protocol=self.kafka_security_protocol,
+            sasl_mechanism=self.kafka_sasl_mechanism,
+            sasl_username=self.kafka_sasl_username,
+            sasl_password=secret(self.kafka_sasl_password),
+            ssl_cafile=path(self.kafka_ssl_cafile),
+            ssl_certfile=path(self.kafka_ssl_certfile),
+            ssl_keyfile=path(self.kafka_ssl_keyfile),
+            ssl_key_password=secret(self.kafka_ssl_key_password),
+            ssl_check_hostname=self.kafka_ssl_check_hostname,
+            name=sdk_setting_name,
+            hint=SDK_HINT,
+        )

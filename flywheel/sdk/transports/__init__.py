@@ -25,6 +25,7 @@ def make_transport(settings: SdkSettings) -> Transport:
             connect_timeout_s=settings.kafka_connect_timeout_s,
             request_timeout_s=settings.kafka_request_timeout_s,
             max_request_bytes=settings.max_event_bytes + RECORD_OVERHEAD_BYTES,
+            security=settings.kafka_security(),
         )
     if settings.transport == "http":
         from flywheel.sdk.transports.http import HttpTransport  # lazy: httpx only for this transport

@@ -20,12 +20,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 try:  # this module is imported only when the kafka transport is chosen (flywheel.sdk.transports.make_transport)
-    from kafka import KafkaProducer
     from kafka.errors import InvalidTopicError, KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
     from kafka.partitioner.default import DefaultPartitioner, murmur2
 except ImportError as err:
     raise ImportError("the kafka transport needs kafka-python: pip install 'flywheel-rl[sdk]'") from err
 
+from flywheel.core import kafka_clients
+from flywheel.core.kafka_security import PLAINTEXT, KafkaSecurity, KafkaSecurityError
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport, TransportUnavailable, failed
 
 log = logging.getLogger("flywheel.sdk")
@@ -46,8 +47,14 @@ class NoBrokerConfigured(TransportUnavailable):
     """No broker is configured and no local stack records one: a person has to say where Kafka is."""
 
 
+class BrokerRefused(TransportUnavailable):
+    """The broker refused the configured security (SASL credentials, the TLS certificate or CA), or a TLS
+    file does not load: a person has to change the ``kafka_*`` settings; retries go on meanwhile."""
+
+
 class KafkaTransport(Transport):
-    """Produces envelopes to ``topic`` on ``bootstrap`` (``host:port[,host:port]``, or a callable resolving it)."""
+    """Produces envelopes to ``topic`` on ``bootstrap`` (``host:port[,host:port]``, or a callable resolving it),
+    connecting with ``security``'s TLS and SASL options (default: neither)."""
 
     name = "kafka"
 
@@ -62,8 +69,10 @@ class KafkaTransport(Transport):
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         client_id: str = "flywheel-sdk",
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        security: KafkaSecurity = PLAINTEXT,
     ):
         self._bootstrap = bootstrap
+        self.security = security
         self.max_request_bytes = max_request_bytes
         self.topic = topic
         self._linger_ms = linger_ms
@@ -83,7 +92,7 @@ class KafkaTransport(Transport):
         try:
             producer = self._ensure_producer()
         except TransportUnavailable as err:
-            return failed(str(err), needs_operator=isinstance(err, NoBrokerConfigured))
+            return failed(str(err), needs_operator=isinstance(err, (NoBrokerConfigured, BrokerRefused)))
         futures: list[Any] = []
         rejected: dict[int, Rejection] = {}
         for index, envelope in enumerate(batch):
@@ -149,8 +158,9 @@ class KafkaTransport(Transport):
         bootstrap = self._resolve_bootstrap()
         request_ms = int(self._request_timeout_s * 1000)
         try:
-            self._producer = KafkaProducer(
-                bootstrap_servers=bootstrap.split(","),
+            self._producer = kafka_clients.producer(
+                bootstrap,
+                security=self.security,
                 client_id=self._client_id,
                 acks="all",
                 retries=5,
@@ -167,8 +177,12 @@ class KafkaTransport(Transport):
                 bootstrap_timeout_ms=int(self._connect_timeout_s * 1000),
                 reconnect_backoff_max_ms=1000,
             )
+        except KafkaSecurityError as err:
+            raise BrokerRefused(str(err)) from err
+        except kafka_clients.BrokerUnreachable as err:
+            raise (BrokerRefused if err.misconfigured else TransportUnavailable)(str(err)) from err
         except KafkaError as err:
-            raise TransportUnavailable(f"no Kafka broker at {bootstrap}: {err}") from err
+            raise TransportUnavailable(f"no Kafka broker at {bootstrap} ({self.security.describe()}): {err}") from err
         return self._producer
 
     def _resolve_bootstrap(self) -> str:
