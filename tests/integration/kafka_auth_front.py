@@ -1,6 +1,6 @@
 """TLS and SASL in front of a plaintext broker: what a managed Kafka asks of a client, here.
 
-Tansu 0.6.0 (the project's development broker, see ``docs/configuration.md``) cannot be run
+Tansu 0.6.0 (the project's development broker, see ``docs/kafka.md``) cannot be run
 with working TLS or SASL: ``--cert`` and ``--key`` cannot be given together, its build offers
 no PLAIN mechanism, and its only storage engine drops SCRAM credentials. So the tests put
 this front before it, as a TLS-terminating proxy (stunnel, a cloud load balancer) would sit
@@ -314,10 +314,17 @@ class Certificates:
     server_key: str
     other_ca: str
     """A second CA that signed nothing here: a client trusting only it must refuse the front."""
+    client_cert: str
+    client_key: str
+    """A client certificate and its key, signed by ``ca``, for mutual TLS."""
 
-    def server_context(self) -> ssl.SSLContext:
+    def server_context(self, mutual: bool = False) -> ssl.SSLContext:
+        """The front's TLS context; with ``mutual`` it wants a client certificate signed by ``ca``."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(self.server_cert, self.server_key)
+        if mutual:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(self.ca)
         return ctx
 
 
@@ -361,27 +368,35 @@ def make_certificates(folder: str) -> Certificates:
     pem = serialization.Encoding.PEM
     ca_key, ca_cert = ca("flywheel test CA")
     _, other_cert = ca("another CA")
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name("localhost"))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
+
+    def leaf(common: str, usage: x509.ObjectIdentifier, *names: x509.GeneralName) -> tuple[bytes, bytes]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(common))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         )
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
+        cert = builder.sign(ca_key, hashes.SHA256())
+        key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        return cert.public_bytes(pem), key_pem
+
+    usages = x509.oid.ExtendedKeyUsageOID
+    localhost = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    server_cert, server_key = leaf("localhost", usages.SERVER_AUTH, *localhost)
+    client_cert, client_key = leaf("flywheel-client", usages.CLIENT_AUTH)
     return Certificates(
         ca=write(os.path.join(folder, "ca.pem"), ca_cert.public_bytes(pem)),
-        server_cert=write(os.path.join(folder, "server.pem"), cert.public_bytes(pem)),
-        server_key=write(os.path.join(folder, "server.key"), key_pem),
+        server_cert=write(os.path.join(folder, "server.pem"), server_cert),
+        server_key=write(os.path.join(folder, "server.key"), server_key),
         other_ca=write(os.path.join(folder, "other-ca.pem"), other_cert.public_bytes(pem)),
+        client_cert=write(os.path.join(folder, "client.pem"), client_cert),
+        client_key=write(os.path.join(folder, "client.key"), client_key),
     )

@@ -79,8 +79,9 @@ class Secured:
 
 
 @contextmanager
-def secured_broker(folder: Path, protocol: str, mechanism: str | None) -> Iterator[Secured]:
-    """Tansu on a private port, advertising the front (``localhost``, which its certificate names)."""
+def secured_broker(folder: Path, protocol: str, mechanism: str | None, mutual: bool = False) -> Iterator[Secured]:
+    """Tansu on a private port, advertising the front (``localhost``, which its certificate names);
+    with ``mutual`` the front wants a client certificate."""
     certs = make_certificates(str(folder))
     broker_port, front_port = free_port(), free_port()
     tansu = subprocess.Popen(
@@ -95,7 +96,7 @@ def secured_broker(folder: Path, protocol: str, mechanism: str | None) -> Iterat
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     users = {USER: PASSWORD} if protocol.startswith("SASL_") else None
-    tls = certs.server_context() if protocol in ("SSL", "SASL_SSL") else None
+    tls = certs.server_context(mutual) if protocol in ("SSL", "SASL_SSL") else None
     front = AuthFront(("127.0.0.1", broker_port), front_port, users=users, tls=tls).start()
     try:
         wait_until(lambda: port_open("127.0.0.1", broker_port), 30, "Tansu's port")
@@ -242,6 +243,24 @@ def test_every_mechanism_and_protocol_round_trips(tmp_path: Path, protocol: str,
         assert probe_kafka(secured.bootstrap, security=security).ok
         expected = [] if mechanism is None else [mechanism]
         assert set(secured.front.authenticated) == set(expected) and not secured.front.failures
+
+
+def test_mutual_tls_with_a_client_certificate(tmp_path: Path) -> None:
+    with secured_broker(tmp_path, "SSL", None, mutual=True) as secured:
+        certs, topic = secured.certs, f"mtls-{uuid.uuid4().hex[:8]}"
+        security = secured.security(ssl_certfile=certs.client_cert, ssl_keyfile=certs.client_key)
+        producer = kafka_clients.producer(secured.bootstrap, security=security, acks="all")
+        producer.send(topic, value=b"signed").get(30)
+        producer.close()
+        consumer = kafka_clients.consumer(
+            secured.bootstrap, topic, security=security, auto_offset_reset="earliest", consumer_timeout_ms=5000
+        )
+        try:
+            assert [m.value for m in consumer] == [b"signed"]
+        finally:
+            consumer.close()
+        with pytest.raises(kafka_clients.BrokerUnreachable):  # the same without a client certificate
+            kafka_clients.producer(secured.bootstrap, security=secured.security(), bootstrap_timeout_ms=3000)
 
 
 def test_wrong_password_fails_naming_the_credentials(sasl_ssl: Secured) -> None:
