@@ -47,6 +47,9 @@ CHECKPOINT_STATUSES = ("candidate", "rejected", "deployed", "retired", "deleted"
 CYCLE_STATUSES = ("running", "skipped", "failed", "candidate", "rejected")
 DEPLOYMENT_STATUSES = ("pending", "active", "promoted", "rolled_back", "failed", "superseded")
 REPLICA_STATES = ("serving", "draining", "swapping", "failed")
+OPERATION_STATES = ("queued", "running", "succeeded", "failed")
+OPERATION_ACTIVE = ("queued", "running")
+"""States of an operation that has not ended (at most one such operation per fleet)."""
 
 
 class Base(DeclarativeBase):
@@ -349,6 +352,53 @@ class Replica(Base):
     __table_args__ = (
         CheckConstraint(_in("state", REPLICA_STATES), name="state_known"),
         Index("ix_replicas_fleet", "fleet"),
+    )
+
+
+class Operation(Base):
+    """A deployment action of the admin API (deploy, weight, promote, rollback), run in the background.
+
+    The admin API process that accepted it (``owner``) runs it and renews ``heartbeat_at``
+    while it is queued or running; one whose lease has lapsed is marked ``failed``
+    (``error = 'abandoned'``) by any admin API process (``serving.admin.operations``).
+    """
+
+    __tablename__ = "operations"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    fleet: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(32))
+    """The audit action it performs: ``deploy.canary``, ``deploy.weight``, ``deploy.promote``, ``deploy.rollback``."""
+    state: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(128))
+    params: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    """The request (checkpoint, weight, reason ...)."""
+    owner: Mapped[str] = mapped_column(String(128))
+    """The admin API process that runs it (``host:pid:nonce``)."""
+    created_at: Mapped[datetime] = _now()
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime] = _now()
+    """Renewed by ``owner`` while the operation is queued or running."""
+    lease_s: Mapped[float] = mapped_column(Float)
+    """How long after ``heartbeat_at`` the operation counts as abandoned (the owner's ``serving.operation_lease_s``)."""
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    """What the deployment function returned, once succeeded."""
+    error: Mapped[str | None] = mapped_column(String(32))
+    """Once failed: ``not_found``, ``conflict``, ``invalid``, ``failed``, ``internal`` or ``abandoned``."""
+    reason: Mapped[str | None] = mapped_column(Text)
+    """Once failed: why, in words."""
+
+    __table_args__ = (
+        CheckConstraint(_in("state", OPERATION_STATES), name="state_known"),
+        CheckConstraint("lease_s > 0", name="lease_positive"),
+        Index("ix_operations_created_at", "created_at"),
+        Index(
+            "uq_operations_active_fleet",
+            "fleet",
+            unique=True,
+            postgresql_where=text("state IN ('queued', 'running')"),
+        ),
     )
 
 

@@ -112,6 +112,12 @@ class ServingSettings(BaseModel):
     """Port of the admin API."""
     admin_url: str | None = None
     """Where the CLI finds the admin API; None: http://admin_host:admin_port."""
+    operation_lease_s: float = Field(30.0, ge=1.0, le=3600.0)
+    """An admin API process renews the lease of each deployment operation it runs every third of this;
+    an operation not renewed for this long is marked failed (abandoned) by any admin API process."""
+    operation_wait_s: float = Field(1800.0, gt=0, le=7200.0)
+    """Longest a deployment request with ``?wait=true`` is held before it answers 202 with the operation
+    still running (a request may ask for less with ``wait_s``)."""
     refresh_s: float = Field(0.5, gt=0, le=60)
     """How often the router re-reads the routing table (deployments, replica states)."""
     health_interval_s: float = Field(1.0, gt=0, le=60)
