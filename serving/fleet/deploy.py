@@ -12,6 +12,11 @@ action, ``fleet:<name>``, the fleet status before and after, details with the sw
 numbers), also when it is refused or fails (``success=false``). Each returns
 ``{"fleet", "stable", "canary", "ended", "swaps"}``: the fleet's active (or pending) stable
 and canary deployments after the change, the deployments it ended, and the swaps it ran.
+
+:func:`check_canary`, :func:`check_weight`, :func:`check_promote` and :func:`check_rollback`
+raise the refusals an operation would raise as of now, without the lock and without reading
+every tensor of a checkpoint: the admin API answers them at once, before it accepts the
+operation it runs in the background (the operation checks again under the lock).
 """
 
 from __future__ import annotations
@@ -45,7 +50,18 @@ if TYPE_CHECKING:
 
     from flywheel.core.settings import Settings
 
-__all__ = ["DeployError", "deploy_canary", "set_canary_weight", "promote", "rollback", "reconcile"]
+__all__ = [
+    "DeployError",
+    "check_canary",
+    "check_promote",
+    "check_rollback",
+    "check_weight",
+    "deploy_canary",
+    "promote",
+    "reconcile",
+    "rollback",
+    "set_canary_weight",
+]
 
 UNUSABLE_STATUSES = ("rejected", "deleted")
 
@@ -128,8 +144,12 @@ def validate_weight(weight: float) -> float:
     return value
 
 
-def usable_checkpoint(session: Session, checkpoint_id: str, strategy: str) -> Checkpoint:
-    """The checkpoint row, refused when unknown, rejected or deleted, of the wrong format, or its files invalid."""
+def usable_checkpoint(session: Session, checkpoint_id: str, strategy: str, *, finite: bool = True) -> Checkpoint:
+    """The checkpoint row, refused when unknown, rejected or deleted, of the wrong format, or its files invalid.
+
+    ``finite=False`` checks the files' headers, sizes and shapes but does not read every tensor
+    (:func:`~serving.fleet.swap.check_weights`).
+    """
     row = session.get(Checkpoint, checkpoint_id)
     if row is None:
         raise DeployError("not_found", f"no checkpoint {checkpoint_id!r} in the registry")
@@ -141,7 +161,7 @@ def usable_checkpoint(session: Session, checkpoint_id: str, strategy: str) -> Ch
             "invalid", f"checkpoint {checkpoint_id} is a {row.format} checkpoint; the fleet's strategy is full weights"
         )
     try:
-        check_weights(row.path, reference=_served_model_folder(row))
+        check_weights(row.path, reference=_served_model_folder(row), finite=finite)
     except vllm_admin.CheckpointInvalid as err:
         raise DeployError("invalid", f"checkpoint {checkpoint_id} has invalid files: {err}") from None
     return row
@@ -176,6 +196,104 @@ def canary_urls(replicas: list[Replica], stable_checkpoint_id: str, wanted: int,
 
 def _live_urls(replicas: list[Replica]) -> list[str]:
     return [r.url for r in replicas if r.state != "failed"]
+
+
+def _plan_canary(
+    session: Session, settings: Settings, checkpoint_id: str, *, finite: bool = True
+) -> tuple[Checkpoint, Deployment, list[str]]:
+    """The checkpoint, the stable and the replicas a canary of ``checkpoint_id`` would take; refusals raise."""
+    fleet, strategy = settings.serving.fleet, settings.serving.strategy
+    checkpoint = usable_checkpoint(session, checkpoint_id, strategy, finite=finite)
+    if strategy == "lora" and checkpoint.format != "lora":
+        raise DeployError(
+            "invalid", f"checkpoint {checkpoint_id} holds full weights; the fleet's strategy is lora adapters"
+        )
+    current = active_deployment(session, fleet, "canary")
+    if current is not None:
+        raise DeployError(
+            "conflict",
+            f"fleet {fleet!r} already has an active canary "
+            f"(deployment {current.id}, checkpoint {current.checkpoint_id})",
+        )
+    stable = _require_stable(session, fleet)
+    if stable.checkpoint_id == checkpoint_id:
+        raise DeployError("conflict", f"checkpoint {checkpoint_id} is already the stable deployment of fleet {fleet!r}")
+    replicas = fleet_replicas(session, fleet)
+    if strategy == "full":
+        urls = canary_urls(replicas, stable.checkpoint_id, settings.serving.canary_replicas, fleet)
+    else:
+        urls = _live_urls(replicas)
+    return checkpoint, stable, urls
+
+
+def _require_canary(session: Session, fleet: str, doing: str = "") -> Deployment:
+    canary = active_deployment(session, fleet, "canary")
+    if canary is None:
+        raise DeployError("conflict", f"fleet {fleet!r} has no active canary{doing}")
+    return canary
+
+
+def _check_rollback_with_canary(fleet: str, stable: Deployment, canary: Deployment, to: str | None) -> None:
+    if to not in (None, stable.checkpoint_id):
+        raise DeployError(
+            "conflict",
+            f"fleet {fleet!r} has an active canary (deployment {canary.id}): roll it back first, "
+            f"then roll the stable back to {to}",
+        )
+
+
+def _stable_target(
+    session: Session, settings: Settings, stable: Deployment, to_checkpoint_id: str | None, *, finite: bool = True
+) -> Checkpoint:
+    """The checkpoint a rollback without a canary makes the stable: ``to_checkpoint_id`` or the previous stable."""
+    fleet = settings.serving.fleet
+    target_id = to_checkpoint_id or _previous_stable(session, fleet, stable)
+    if target_id is None:
+        raise DeployError("not_found", f"fleet {fleet!r} has no previous stable deployment to roll back to")
+    checkpoint = usable_checkpoint(session, target_id, settings.serving.strategy, finite=finite)
+    if target_id == stable.checkpoint_id:
+        raise DeployError("conflict", f"checkpoint {target_id} is already the stable deployment of fleet {fleet!r}")
+    return checkpoint
+
+
+# --------------------------------------------------------------------------- checks before an operation
+
+
+def check_canary(engine: Engine, settings: Settings, checkpoint_id: str, weight: float) -> None:
+    """The refusals of :func:`deploy_canary` as of now, without the lock and without reading every tensor.
+
+    Raises the :class:`DeployError` the operation would raise before touching a replica
+    (``deploy_canary`` checks again, under the lock, and reads the tensors).
+    """
+    validate_weight(weight)
+    with Session(engine) as session:
+        _plan_canary(session, settings, checkpoint_id, finite=False)
+
+
+def check_weight(engine: Engine, settings: Settings, weight: float) -> None:
+    """The refusals of :func:`set_canary_weight` as of now (bad weight, no active canary)."""
+    validate_weight(weight)
+    with Session(engine) as session:
+        _require_canary(session, settings.serving.fleet)
+
+
+def check_promote(engine: Engine, settings: Settings) -> None:
+    """The refusals of :func:`promote` as of now (no active canary, no stable)."""
+    with Session(engine) as session:
+        _require_canary(session, settings.serving.fleet, " to promote")
+        _require_stable(session, settings.serving.fleet)
+
+
+def check_rollback(engine: Engine, settings: Settings, to_checkpoint_id: str | None) -> None:
+    """The refusals of :func:`rollback` as of now, without reading every tensor of the target."""
+    fleet = settings.serving.fleet
+    with Session(engine) as session:
+        stable = _require_stable(session, fleet)
+        canary = active_deployment(session, fleet, "canary")
+        if canary is not None:
+            _check_rollback_with_canary(fleet, stable, canary, to_checkpoint_id)
+        else:
+            _stable_target(session, settings, stable, to_checkpoint_id, finite=False)
 
 
 # --------------------------------------------------------------------------- rows
@@ -264,28 +382,7 @@ def deploy_canary(
         record.before = _snapshot(engine, fleet)
         weight = validate_weight(weight)
         with Session(engine, expire_on_commit=False) as session:
-            checkpoint = usable_checkpoint(session, checkpoint_id, strategy)
-            if strategy == "lora" and checkpoint.format != "lora":
-                raise DeployError(
-                    "invalid", f"checkpoint {checkpoint_id} holds full weights; the fleet's strategy is lora adapters"
-                )
-            current = active_deployment(session, fleet, "canary")
-            if current is not None:
-                raise DeployError(
-                    "conflict",
-                    f"fleet {fleet!r} already has an active canary "
-                    f"(deployment {current.id}, checkpoint {current.checkpoint_id})",
-                )
-            stable = _require_stable(session, fleet)
-            if stable.checkpoint_id == checkpoint_id:
-                raise DeployError(
-                    "conflict", f"checkpoint {checkpoint_id} is already the stable deployment of fleet {fleet!r}"
-                )
-            replicas = fleet_replicas(session, fleet)
-            if strategy == "full":
-                urls = canary_urls(replicas, stable.checkpoint_id, settings.serving.canary_replicas, fleet)
-            else:
-                urls = _live_urls(replicas)
+            checkpoint, stable, urls = _plan_canary(session, settings, checkpoint_id)
             canary = Deployment(
                 fleet=fleet,
                 checkpoint_id=checkpoint_id,
@@ -335,9 +432,7 @@ def set_canary_weight(
         record.before = _snapshot(engine, fleet)
         weight = validate_weight(weight)
         with Session(engine) as session:
-            canary = active_deployment(session, fleet, "canary")
-            if canary is None:
-                raise DeployError("conflict", f"fleet {fleet!r} has no active canary")
+            canary = _require_canary(session, fleet)
             record.details["previous_weight"] = canary.weight
             canary.weight, canary.updated_at = weight, func.now()
             session.commit()
@@ -363,9 +458,7 @@ def promote(
     with _audited(engine, actor, "deploy.promote", fleet, dict(details or {})) as record, fleet_lock(engine, fleet):
         record.before = _snapshot(engine, fleet)
         with Session(engine, expire_on_commit=False) as session:
-            canary = active_deployment(session, fleet, "canary")
-            if canary is None:
-                raise DeployError("conflict", f"fleet {fleet!r} has no active canary to promote")
+            canary = _require_canary(session, fleet, " to promote")
             stable = _require_stable(session, fleet)
             checkpoint = session.get(Checkpoint, canary.checkpoint_id)
             replicas = fleet_replicas(session, fleet)
@@ -431,12 +524,7 @@ def rollback(
             stable = _require_stable(session, fleet)
             canary = active_deployment(session, fleet, "canary")
         if canary is not None:
-            if to_checkpoint_id not in (None, stable.checkpoint_id):
-                raise DeployError(
-                    "conflict",
-                    f"fleet {fleet!r} has an active canary (deployment {canary.id}): roll it back first, "
-                    f"then roll the stable back to {to_checkpoint_id}",
-                )
+            _check_rollback_with_canary(fleet, stable, canary, to_checkpoint_id)
             return _rollback_canary(
                 engine, settings, record, stable, canary, actor, verify, (details or {}).get("reason")
             )
@@ -502,12 +590,8 @@ def _rollback_stable(
 ) -> dict[str, Any]:
     fleet = settings.serving.fleet
     with Session(engine, expire_on_commit=False) as session:
-        target_id = to_checkpoint_id or _previous_stable(session, fleet, stable)
-        if target_id is None:
-            raise DeployError("not_found", f"fleet {fleet!r} has no previous stable deployment to roll back to")
-        checkpoint = usable_checkpoint(session, target_id, settings.serving.strategy)
-        if target_id == stable.checkpoint_id:
-            raise DeployError("conflict", f"checkpoint {target_id} is already the stable deployment of fleet {fleet!r}")
+        checkpoint = _stable_target(session, settings, stable, to_checkpoint_id)
+        target_id = checkpoint.id
         new = Deployment(
             fleet=fleet,
             checkpoint_id=target_id,

@@ -122,7 +122,7 @@ def completion_logprobs(body: dict[str, Any]) -> list[float]:
     return [float(v) for v in values]
 
 
-def check_weights(weights_path: str, reference: str | None = None) -> None:
+def check_weights(weights_path: str, reference: str | None = None, *, finite: bool = True) -> None:
     """The checkpoint's files are complete and every tensor is finite; raises ``CheckpointInvalid``.
 
     With ``reference`` (the folder of the model the fleet serves, for a full-weight
@@ -132,11 +132,14 @@ def check_weights(weights_path: str, reference: str | None = None) -> None:
     Beyond :func:`~flywheel.core.vllm_admin.check_checkpoint` (headers, sizes): measured
     on vLLM 0.32 here, weights with NaN made the replica answer every completion with HTTP 400
     (non-finite logprobs), so they are refused before a replica is touched. Reads every
-    tensor once, as the replica's reload will.
+    tensor once, as the replica's reload will; ``finite=False`` skips that read (headers,
+    sizes and shapes only: the quick check the admin API runs before it accepts an operation).
     """
     files = vllm_admin.check_checkpoint(weights_path)
     if reference is not None:
         _same_shapes(vllm_admin.tensor_shapes(files), vllm_admin.tensor_shapes(vllm_admin.check_checkpoint(reference)))
+    if not finite:
+        return
     import torch  # here only: the admin API and the canary controller import this module, torch is slow to load
 
     for file in files:
