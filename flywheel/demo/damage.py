@@ -101,7 +101,8 @@ class Ops:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
-        """Deployments hot-swap replicas before they answer: minutes on a busy machine."""
+        """Deployments hot-swap replicas before they end: minutes on a busy machine (the API holds the request that
+        long with ``?wait=true``; the client waits a little longer)."""
 
     @classmethod
     def for_demo(cls, engine: Any, settings: Settings) -> Ops:
@@ -114,7 +115,7 @@ class Ops:
         import httpx
 
         try:
-            response = httpx.request(method, f"{self.url}{path}", json=body, timeout=self.timeout_s,
+            response = httpx.request(method, f"{self.url}{path}", json=body, timeout=self.timeout_s + 30.0,
                                      headers={"Authorization": f"Bearer {self.token}"})  # fmt: skip
         except httpx.HTTPError as err:
             raise AdminRefused(method, path, None, f"{type(err).__name__}: {err}") from err
@@ -142,14 +143,23 @@ class Ops:
         """``GET /v1/audit``: the newest entries of ``action`` (``flywheel audit``)."""
         return self.call("GET", f"/v1/audit?action={action}&limit={limit}")["items"]
 
+    def operation(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A deployment operation, waited for (``?wait=true``): the succeeded operation; :class:`AdminRefused` with
+        the failure's status and reason, or status None when it still runs after ``timeout_s``."""
+        path = f"{path}?wait=true&wait_s={self.timeout_s:g}"
+        op = self.call(method, path, body)
+        if op.get("state") != "succeeded":
+            raise AdminRefused(method, path, None, f"operation {op.get('id')} still {op.get('state')}")
+        return op
+
     def deploy_canary(self, checkpoint_id: str, weight: float) -> dict[str, Any]:
-        """``POST /v1/canary`` (``flywheel deploy``)."""
-        return self.call("POST", "/v1/canary", {"checkpoint_id": checkpoint_id, "weight": weight})
+        """``POST /v1/canary`` (``flywheel deploy --wait``)."""
+        return self.operation("POST", "/v1/canary", {"checkpoint_id": checkpoint_id, "weight": weight})
 
     def rollback_canary(self, stable_checkpoint_id: str, reason: str) -> dict[str, Any]:
-        """End the canary, back to ``stable_checkpoint_id`` (``flywheel rollback``).
+        """End the canary, back to ``stable_checkpoint_id`` (``flywheel rollback --wait``).
 
         Naming the stable makes the call harmless when the canary ended meanwhile: the API
         then refuses (it is already the stable) instead of rolling the stable back.
         """
-        return self.call("POST", "/v1/rollback", {"to_checkpoint_id": stable_checkpoint_id, "reason": reason})
+        return self.operation("POST", "/v1/rollback", {"to_checkpoint_id": stable_checkpoint_id, "reason": reason})

@@ -12,6 +12,9 @@ refused.
 - :mod:`serving.admin.deps`: the ``Annotated`` dependencies (settings, database, the calling
   token and its role);
 - :mod:`serving.admin.routes`: one ``APIRouter`` per concern;
+- :mod:`serving.admin.operations`: deploy, weight, promote and rollback as operations (202 with
+  an id at once, run by a thread of the process, followed at ``GET /v1/operations/{id}``,
+  ``?wait=true`` for the synchronous answer; leases fail an operation whose process died);
 - :mod:`serving.admin.errors`, :mod:`serving.admin.audit`, :mod:`serving.admin.tokens`,
   :mod:`serving.admin.schemas`.
 

@@ -17,7 +17,8 @@ precedence over a malformed body (FastAPI parses the body before it runs depende
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
@@ -36,6 +37,7 @@ from flywheel.core.settings import Settings
 from serving.admin.audit import audit_refusal
 from serving.admin.deps import READ_METHODS, ROLE_RANK, auth_refusal, required_role, single_valued_query
 from serving.admin.errors import DEPLOY_ERROR_STATUS, ERROR_KIND, AdminError
+from serving.admin.operations import OperationRunner
 from serving.admin.routes import ROUTERS
 from serving.admin.schemas import ErrorPublic
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PATHS
@@ -104,7 +106,9 @@ async def _in_thread(fn: Callable[..., JSONResponse], *args: Any) -> JSONRespons
 
 async def admin_error(request: Request, exc: AdminError) -> JSONResponse:
     """An :class:`AdminError` as its status and body."""
-    body = ErrorPublic(error=exc.kind, reason=exc.reason, required_role=exc.required_role)
+    body = ErrorPublic(
+        error=exc.kind, reason=exc.reason, required_role=exc.required_role, operation_id=exc.operation_id
+    )
     return await _in_thread(_error_response, request, exc.status, body)
 
 
@@ -208,8 +212,23 @@ class BodyLimit:
 # --------------------------------------------------------------------------- app
 
 
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """At start, mark operations abandoned by dead processes; at the end, let this process's operations finish."""
+    runner: OperationRunner = app.state.operations
+    await run_in_threadpool(runner.start)
+    try:
+        yield
+    finally:
+        await run_in_threadpool(runner.close)
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """The admin API over ``engine`` (default: the settings' Postgres), managing ``serving.fleet``."""
+    """The admin API over ``engine`` (default: the settings' Postgres), managing ``serving.fleet``.
+
+    Its deployment operations run in threads of this process (``app.state.operations``,
+    :class:`~serving.admin.operations.OperationRunner`).
+    """
     if engine is None:
         engine = get_engine(postgres_url(settings))
     app = FastAPI(
@@ -224,9 +243,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         dependencies=[Depends(single_valued_query)],
+        lifespan=lifespan,
     )
     app.state.engine = engine
     app.state.settings = settings
+    app.state.operations = OperationRunner(engine, settings.serving.operation_lease_s)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     for router in ROUTERS:

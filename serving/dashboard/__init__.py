@@ -10,7 +10,8 @@
   is fetched from a CDN). Every piece of data the page shows comes from ``/v1/...`` with
   the ops token the user typed (kept in the tab's ``sessionStorage``, sent as
   ``Authorization: Bearer``). Promote and roll back call ``POST /v1/promote`` and
-  ``POST /v1/rollback``, so the roles and the audit trail are the API's own.
+  ``POST /v1/rollback``, so the roles and the audit trail are the API's own; each answers
+  202 with an operation, which the page reads (``GET /v1/operations/{id}``) until it ends.
 
 The public paths are listed in :data:`PUBLIC_PATHS`; ``serving.admin.app.check_routes_protected``
 must accept them (or run before :func:`install_dashboard`), and :func:`check_dashboard_routes`

@@ -286,7 +286,9 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
     with serve_app(app) as server:
         api = httpx.Client(base_url=server.url, timeout=300.0)
         answer = api.post(
-            "/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.25}, headers=bearer(tokens["operator"])
+            "/v1/canary?wait=true",
+            json={"checkpoint_id": CANDIDATE, "weight": 0.25},
+            headers=bearer(tokens["operator"]),
         )
         assert answer.status_code == 200, answer.text
         stable_ids = write_rewards(engine, base_version, [1.0, 0.0] * 12, "stable")
@@ -374,7 +376,7 @@ def test_dashboard_renders_real_data_and_promotes_and_rolls_back(
             window_end=datetime.now(UTC),
         )
         answer = api.post(
-            "/v1/canary", json={"checkpoint_id": SECOND, "weight": 0.1}, headers=bearer(tokens["operator"])
+            "/v1/canary?wait=true", json={"checkpoint_id": SECOND, "weight": 0.1}, headers=bearer(tokens["operator"])
         )
         assert answer.status_code == 200, answer.text
         expect(page.locator("#traffic-canary")).to_contain_text(SECOND)

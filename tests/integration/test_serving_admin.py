@@ -13,8 +13,10 @@ import json
 import re
 import shutil
 import socket
+import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from conftest import JSON_VALUES, schemathesis_sweep
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from hypothesis import strategies as st
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from flywheel.core.auth import create_key, revoke_key
@@ -372,7 +374,20 @@ def test_a_full_weight_canary_needs_a_spare_replica(engine, client, tokens, base
     assert response.status_code == 409 and "would leave no stable replica" in response.json()["reason"]
 
 
-def test_a_failed_swap_is_502_and_the_canary_ends_failed(
+def follow(client: TestClient, token: str, operation_id: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Read an operation until it ends."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = client.get(f"/v1/operations/{operation_id}", headers=bearer(token))
+        assert answer.status_code == 200, answer.text
+        op = answer.json()
+        if op["state"] in ("succeeded", "failed"):
+            return op
+        assert time.monotonic() < deadline, op
+        time.sleep(0.2)
+
+
+def test_a_failed_swap_fails_the_operation_502_with_wait_and_the_canary_ends_failed(
     engine, client, tokens, base_id, fleet, base_model_dir, tmp_path
 ):
     urls = [dead_url(), dead_url()]
@@ -380,22 +395,44 @@ def test_a_failed_swap_is_502_and_the_canary_ends_failed(
     candidate = f"ck-{uuid.uuid4().hex[:6]}"
     shutil.copytree(base_model_dir, tmp_path / candidate)
     add_checkpoint(engine, candidate, parent=base_id, path=str(tmp_path / candidate))
+    body = {"checkpoint_id": candidate, "weight": 0.1}
 
     before = last_audit_id(engine)
-    response = client.post(
-        "/v1/canary", json={"checkpoint_id": candidate, "weight": 0.1}, headers=bearer(tokens["operator"])
-    )
-    assert response.status_code == 502, response.text
-    body = response.json()
-    assert body["error"] == "failed" and urls[-1] in body["reason"] and "unreachable" in body["reason"]
+    accepted = client.post("/v1/canary", json=body, headers=bearer(tokens["operator"]))
+    assert accepted.status_code == 202, accepted.text  # accepted at once: the swap runs in the background
+    op = accepted.json()
+    assert accepted.headers["location"] == f"/v1/operations/{op['id']}"
+    assert (op["kind"], op["state"], op["actor"], op["fleet"]) == ("deploy.canary", "queued", "token:operator", fleet)
+    assert op["params"] == body and op["result"] is None and op["lease_s"] == 30.0
+    op = follow(client, tokens["viewer"], op["id"])
+    assert op["state"] == "failed" and op["error"] == "failed", op
+    assert urls[-1] in op["reason"] and "unreachable" in op["reason"]
+    created, started, finished = (datetime.fromisoformat(op[k]) for k in ("created_at", "started_at", "finished_at"))
+    assert created <= started <= finished
     with Session(engine) as session:
         row = session.scalars(select(Deployment).where(Deployment.fleet == fleet, Deployment.role == "canary")).one()
         assert row.status == "failed" and row.created_by == "token:operator"
     [deploy_row] = [r for r in audit_since(engine, before) if r.action == "deploy.canary"]
     assert deploy_row.success is False and deploy_row.details["error"] == "failed"
+    assert deploy_row.details["operation_id"] == op["id"] and deploy_row.actor == "token:operator"
     fleet_now = client.get("/v1/fleet", headers=bearer(tokens["viewer"])).json()
     assert fleet_now["canary"] is None and fleet_now["stable"]["checkpoint_id"] == base_id
     assert {r["url"] for r in fleet_now["replicas"]} == set(urls)
+
+    with Session(engine) as session:  # the replica the swap marked failed comes back (still unreachable)
+        session.execute(update(Replica).where(Replica.fleet == fleet).values(state="serving"))
+        session.commit()
+    before = last_audit_id(engine)
+    waited = client.post("/v1/canary", params={"wait": "true"}, json=body, headers=bearer(tokens["operator"]))
+    assert waited.status_code == 502, waited.text  # the synchronous answer: the failure's own status
+    error = waited.json()
+    assert error["error"] == "failed" and urls[-1] in error["reason"] and error["operation_id"] != op["id"]
+    again = client.get(f"/v1/operations/{error['operation_id']}", headers=bearer(tokens["viewer"])).json()
+    assert (again["state"], again["reason"]) == ("failed", error["reason"])
+    [row] = [r for r in audit_since(engine, before) if r.action == "deploy.canary"]  # not audited twice
+    assert (row.action, row.success, row.details["operation_id"]) == ("deploy.canary", False, error["operation_id"])
+    listed = client.get("/v1/operations", params={"fleet": fleet}, headers=bearer(tokens["viewer"])).json()["items"]
+    assert [i["id"] for i in listed] == [error["operation_id"], op["id"]]  # newest first
 
 
 def test_fleet_and_status_views(client, tokens, engine, base_id, fleet):

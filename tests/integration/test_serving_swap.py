@@ -651,7 +651,9 @@ def test_a_replica_killed_between_pause_and_resume_ends_failed_and_the_admin_api
     client = TestClient(create_app(settings, engine))
     auth = {"Authorization": f"Bearer {operator}"}
     try:
-        response = client.post("/v1/canary", json={"checkpoint_id": PERTURBED, "weight": 0.1}, headers=auth)
+        response = client.post(
+            "/v1/canary", params={"wait": "true"}, json={"checkpoint_id": PERTURBED, "weight": 0.1}, headers=auth
+        )
         assert killed == [url]
         assert response.status_code == 502, response.text  # the swap failed on a replica, said in words
         assert response.json()["error"] == "failed" and url in response.json()["reason"], response.text

@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from serving.admin.routes import audit, canary, checkpoints, deployments, docs, health, status, tokens, trainer
+from serving.admin.routes import (
+    audit,
+    canary,
+    checkpoints,
+    deployments,
+    docs,
+    health,
+    operations,
+    status,
+    tokens,
+    trainer,
+)
 
 ROUTERS: tuple[APIRouter, ...] = (
     checkpoints.router,
@@ -18,6 +29,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     trainer.router,
     audit.router,
     deployments.router,
+    operations.router,
     tokens.router,
     docs.router,
     health.router,

@@ -1,76 +1,198 @@
 """Deployment operations (operator): deploy a canary, change its weight, promote, roll back.
 
-Each calls its ``serving.fleet.deploy`` function, which holds the fleet's lock, runs the
-swaps and writes the audit row under the token's name (also when it is refused or fails).
+Each refuses at once (4xx) what its ``serving.fleet.deploy.check_*`` function finds wrong
+now (unknown or unusable checkpoint, no canary, no stable, a canary already active) and
+what the fleet's state forbids (another operation queued or running, the fleet's lock
+held), then answers ``202 Accepted`` with an operation that a thread of this process runs
+(:mod:`serving.admin.operations`): the ``serving.fleet.deploy`` function, which holds the
+fleet's lock, runs the swaps and writes the audit row under the token's name, with the
+operation's id in its details.
+
+``?wait=true`` holds the request until the operation ends (at most ``wait_s`` seconds,
+default ``serving.operation_wait_s``) and answers ``200`` with the succeeded
+operation, or the failure's status (404, 409, 422, 502) and reason with its
+``operation_id``; still running by then, ``202`` with the operation as it is.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any
 
-from serving.admin.audit import self_audited
-from serving.admin.deps import AppSettings, DbEngine, Operator
-from serving.admin.errors import DEPLOY_RESPONSES, ERROR_RESPONSES
+from fastapi import APIRouter, Query, Request, Response
+
+from serving.admin.audit import mark_audited
+from serving.admin.deps import AppSettings, DbEngine, Operator, Principal
+from serving.admin.errors import DEPLOY_RESPONSES, ERROR_RESPONSES, OPERATION_ERROR_STATUS, AdminError
+from serving.admin.operations import OperationRunner, get_operation
 from serving.admin.schemas import (
     CanaryCreate,
-    DeployResultPublic,
+    OperationPublic,
     PromoteRequest,
     RollbackRequest,
     WeightUpdate,
     deploy_result,
+    operation_public,
 )
 from serving.fleet import deploy
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
+Wait = Annotated[
+    bool,
+    Query(
+        description="Hold the request until the operation ends and answer 200 with it, or the failure's own "
+        "status and reason (404, 409, 422, 502); still running after the wait, 202."
+    ),
+]
+WaitS = Annotated[
+    float | None,
+    Query(gt=0, le=7200, description="With wait: the longest wait in seconds (default serving.operation_wait_s)."),
+]
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": OperationPublic, "description": "With ?wait=true: the operation ended and succeeded."},
+    202: {"model": OperationPublic, "description": "Accepted: the operation (follow it at the Location header)."},
+    **DEPLOY_RESPONSES,
+}
 
-@router.post("/canary", response_model=DeployResultPublic, name="deploy.canary", responses=DEPLOY_RESPONSES)
+
+def start_operation(
+    request: Request,
+    response: Response,
+    operator: Principal,
+    kind: str,
+    params: dict[str, Any],
+    work: Callable[[dict[str, Any]], dict[str, Any]],
+    wait: bool,
+    wait_s: float | None,
+) -> OperationPublic:
+    """Submit ``work`` (given the audit details) as an operation; answer it, or wait for its end."""
+    settings = request.app.state.settings
+    runner: OperationRunner = request.app.state.operations
+    reason = params.get("reason")
+
+    def run(operation_id: uuid.UUID) -> dict[str, Any]:
+        result = work(operator.details(reason=reason, operation_id=str(operation_id)))
+        return deploy_result(kind, operator.actor, result).model_dump(mode="json")
+
+    row = runner.submit(settings.serving.fleet, kind, operator.actor, params, run)
+    response.headers["Location"] = f"/v1/operations/{row.id}"
+    if wait:
+        runner.wait(row.id, wait_s or settings.serving.operation_wait_s)
+        row = get_operation(request.app.state.engine, row.id) or row
+        if row.state == "succeeded":
+            response.status_code = 200
+        elif row.state == "failed":
+            mark_audited(request)  # the deployment function wrote the audit row of the failure
+            status = OPERATION_ERROR_STATUS.get(row.error or "", 502)
+            raise AdminError(status, row.reason or "failed", kind=row.error, operation_id=str(row.id))
+    return operation_public(row)
+
+
+@router.post("/canary", status_code=202, response_model=OperationPublic, name="deploy.canary", responses=RESPONSES)
 def deploy_canary(
-    operator: Operator, settings: AppSettings, engine: DbEngine, request: Request, body: CanaryCreate
-) -> DeployResultPublic:
+    operator: Operator,
+    settings: AppSettings,
+    engine: DbEngine,
+    request: Request,
+    response: Response,
+    body: CanaryCreate,
+    wait: Wait = False,
+    wait_s: WaitS = None,
+) -> OperationPublic:
     """Deploy a checkpoint as the fleet's canary with a traffic weight (hot swap, one replica at a time)."""
-    with self_audited(request):
-        result = deploy.deploy_canary(
-            engine, settings, body.checkpoint_id, body.weight, operator.actor, details=operator.details()
-        )
-    return deploy_result("deploy.canary", operator.actor, result)
+    deploy.check_canary(engine, settings, body.checkpoint_id, body.weight)
+    return start_operation(
+        request,
+        response,
+        operator,
+        "deploy.canary",
+        body.model_dump(),
+        lambda details: deploy.deploy_canary(
+            engine, settings, body.checkpoint_id, body.weight, operator.actor, details=details
+        ),
+        wait,
+        wait_s,
+    )
 
 
-@router.put("/canary/weight", response_model=DeployResultPublic, name="deploy.weight", responses=DEPLOY_RESPONSES)
+@router.put(
+    "/canary/weight", status_code=202, response_model=OperationPublic, name="deploy.weight", responses=RESPONSES
+)
 def set_weight(
-    operator: Operator, settings: AppSettings, engine: DbEngine, request: Request, body: WeightUpdate
-) -> DeployResultPublic:
+    operator: Operator,
+    settings: AppSettings,
+    engine: DbEngine,
+    request: Request,
+    response: Response,
+    body: WeightUpdate,
+    wait: Wait = False,
+    wait_s: WaitS = None,
+) -> OperationPublic:
     """Change the canary's share of new sessions."""
-    with self_audited(request):
-        result = deploy.set_canary_weight(
-            engine, settings, body.weight, operator.actor, details=operator.details(reason=body.reason)
-        )
-    return deploy_result("deploy.weight", operator.actor, result)
+    deploy.check_weight(engine, settings, body.weight)
+    return start_operation(
+        request,
+        response,
+        operator,
+        "deploy.weight",
+        body.model_dump(),
+        lambda details: deploy.set_canary_weight(engine, settings, body.weight, operator.actor, details=details),
+        wait,
+        wait_s,
+    )
 
 
-@router.post("/promote", response_model=DeployResultPublic, name="deploy.promote", responses=DEPLOY_RESPONSES)
+@router.post("/promote", status_code=202, response_model=OperationPublic, name="deploy.promote", responses=RESPONSES)
 def promote(
-    operator: Operator, settings: AppSettings, engine: DbEngine, request: Request, body: PromoteRequest | None = None
-) -> DeployResultPublic:
+    operator: Operator,
+    settings: AppSettings,
+    engine: DbEngine,
+    request: Request,
+    response: Response,
+    body: PromoteRequest | None = None,
+    wait: Wait = False,
+    wait_s: WaitS = None,
+) -> OperationPublic:
     """Promote the canary: its checkpoint becomes stable on every replica."""
-    reason = body.reason if body else None
-    with self_audited(request):
-        result = deploy.promote(engine, settings, operator.actor, details=operator.details(reason=reason))
-    return deploy_result("deploy.promote", operator.actor, result)
+    body = body or PromoteRequest()
+    deploy.check_promote(engine, settings)
+    return start_operation(
+        request,
+        response,
+        operator,
+        "deploy.promote",
+        body.model_dump(),
+        lambda details: deploy.promote(engine, settings, operator.actor, details=details),
+        wait,
+        wait_s,
+    )
 
 
-@router.post("/rollback", response_model=DeployResultPublic, name="deploy.rollback", responses=DEPLOY_RESPONSES)
+@router.post("/rollback", status_code=202, response_model=OperationPublic, name="deploy.rollback", responses=RESPONSES)
 def rollback(
-    operator: Operator, settings: AppSettings, engine: DbEngine, request: Request, body: RollbackRequest | None = None
-) -> DeployResultPublic:
+    operator: Operator,
+    settings: AppSettings,
+    engine: DbEngine,
+    request: Request,
+    response: Response,
+    body: RollbackRequest | None = None,
+    wait: Wait = False,
+    wait_s: WaitS = None,
+) -> OperationPublic:
     """Roll back: end the canary (back to the previous stable), or serve a given checkpoint as stable."""
     body = body or RollbackRequest()
-    with self_audited(request):
-        result = deploy.rollback(
-            engine,
-            settings,
-            operator.actor,
-            to_checkpoint_id=body.to_checkpoint_id,
-            details=operator.details(reason=body.reason),
-        )
-    return deploy_result("deploy.rollback", operator.actor, result)
+    deploy.check_rollback(engine, settings, body.to_checkpoint_id)
+    return start_operation(
+        request,
+        response,
+        operator,
+        "deploy.rollback",
+        body.model_dump(),
+        lambda details: deploy.rollback(
+            engine, settings, operator.actor, to_checkpoint_id=body.to_checkpoint_id, details=details
+        ),
+        wait,
+        wait_s,
+    )

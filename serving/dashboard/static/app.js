@@ -389,6 +389,32 @@
 
   // ------------------------------------------------------------------ actions
 
+  // The HTTP status a failed operation's error stands for (as the API answers it with ?wait=true).
+  const OPERATION_ERROR_STATUS = { not_found: 404, conflict: 409, invalid: 422, failed: 502, internal: 500, abandoned: 502 };
+  const POLL_MS = 1000;
+
+  // Promote and roll back answer 202 with an operation at once; read it until it ends and answer
+  // as the synchronous API would: 200 with what the action did, or the failure's status and reason.
+  async function followOperation(kind, accepted, show) {
+    const id = accepted.data.id;
+    const started = Date.now();
+    let op = accepted.data;
+    while (op.state === "queued" || op.state === "running") {
+      show(kind + ": operation " + id + " " + op.state + " (" + Math.round((Date.now() - started) / 1000) + " s)");
+      await new Promise((resolve) => setTimeout(resolve, POLL_MS));
+      const answer = await api("GET", "/v1/operations/" + encodeURIComponent(id));
+      if (!answer.ok) return answer;
+      op = answer.data;
+    }
+    if (op.state === "succeeded") return { status: 200, ok: true, data: op.result || {}, current: true };
+    return {
+      status: OPERATION_ERROR_STATUS[op.error] || 502,
+      ok: false,
+      data: { error: op.error, reason: "operation " + id + ": " + op.reason },
+      current: true,
+    };
+  }
+
   function describe(answer) {
     const d = answer.data || {};
     if (!answer.ok) {
@@ -425,7 +451,8 @@
     delete result.dataset.status;
     result.textContent = kind + " … waiting for the API";
     try {
-      const answer = await api("POST", path, body);
+      let answer = await api("POST", path, body);
+      if (answer.status === 202) answer = await followOperation(kind, answer, (text) => (result.textContent = text));
       result.textContent = describe(answer);
       result.className = "result " + (answer.ok ? "ok" : "fail");
       result.dataset.status = String(answer.status);
