@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.core.contracts.checkpoint import CheckpointEval
 
 if TYPE_CHECKING:
-    from flywheel.core.db.models import AuditLog, Checkpoint
+    from flywheel.core.db.models import AuditLog, Checkpoint, Operation
     from flywheel.core.pause import PauseState
 
 OPS_ROLES = ("viewer", "operator", "admin")
@@ -48,6 +48,8 @@ class ErrorPublic(BaseModel):
     """On 403: the role the route needs."""
     errors: list[dict[str, Any]] | None = None
     """On 422 from request validation: one entry per invalid field (``loc``, ``msg``, ``type``)."""
+    operation_id: str | None = None
+    """When a deployment operation ran and failed (``?wait=true``): its id (``GET /v1/operations/{id}``)."""
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -212,6 +214,46 @@ class DeployResultPublic(BaseModel):
     """Deployments this action ended (id, checkpoint, role, status, reason)."""
     swaps: list[dict[str, Any]] = Field(default_factory=list)
     """Per replica: from/to version, ok, reverted, reason and the drain/pause/total times."""
+
+
+# --------------------------------------------------------------------------- operations
+
+
+class OperationPublic(BaseModel):
+    """A deployment operation (deploy, weight, promote, rollback) and how it went."""
+
+    id: str
+    """Its id (``GET /v1/operations/{id}``)."""
+    kind: str
+    """The audit action it performs: ``deploy.canary``, ``deploy.weight``, ``deploy.promote``, ``deploy.rollback``."""
+    fleet: str
+    state: Literal["queued", "running", "succeeded", "failed"]
+    actor: str
+    """Who asked, as the audit log records it (``token:<name>``)."""
+    params: dict[str, Any]
+    """The request (checkpoint, weight, reason ...)."""
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    owner: str
+    """The admin API process that runs it (``host:pid:nonce``)."""
+    heartbeat_at: datetime
+    """Last renewal of its lease by ``owner`` (while queued or running)."""
+    lease_s: float
+    """Unrenewed this long, a queued or running operation is failed as ``abandoned``."""
+    result: DeployResultPublic | None = None
+    """Once succeeded: what the action did (the deployments after it, what it ended, each replica's swap)."""
+    error: str | None = None
+    """Once failed: ``not_found``, ``conflict``, ``invalid``, ``failed`` (a swap), ``internal`` or ``abandoned``."""
+    reason: str | None = None
+    """Once failed: why, in words."""
+
+
+class OperationPage(BaseModel):
+    """Operations, newest first."""
+
+    items: list[OperationPublic]
+    limit: int
 
 
 # --------------------------------------------------------------------------- pause flags
@@ -415,6 +457,27 @@ def as_dict(value: Any) -> dict[str, Any]:
     if hasattr(value, "to_dict"):
         value = value.to_dict()
     return value if isinstance(value, dict) else {"value": value}
+
+
+def operation_public(row: Operation) -> OperationPublic:
+    """An ``operations`` row as answered."""
+    return OperationPublic(
+        id=str(row.id),
+        kind=row.kind,
+        fleet=row.fleet,
+        state=row.state,  # type: ignore[arg-type]  # the table's check constraint
+        actor=row.actor,
+        params=row.params or {},
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        owner=row.owner,
+        heartbeat_at=row.heartbeat_at,
+        lease_s=row.lease_s,
+        result=DeployResultPublic.model_validate(row.result) if row.result is not None else None,
+        error=row.error,
+        reason=row.reason,
+    )
 
 
 def deploy_result(action: str, actor: str, result: Any) -> DeployResultPublic:
