@@ -3,7 +3,8 @@
 Each refuses at once (4xx) what its ``serving.fleet.deploy.check_*`` function finds wrong
 now (unknown or unusable checkpoint, no canary, no stable, a canary already active) and
 what the fleet's state forbids (another operation queued or running, the fleet's lock
-held), then answers ``202 Accepted`` with an operation that a thread of this process runs
+held), with an audit row like the deployment function's own refusals. Otherwise it answers
+``202 Accepted`` with an operation that a thread of this process runs
 (:mod:`serving.admin.operations`): the ``serving.fleet.deploy`` function, which holds the
 fleet's lock, runs the swaps and writes the audit row under the token's name, with the
 operation's id in its details.
@@ -22,7 +23,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from serving.admin.audit import mark_audited
+from serving.admin.audit import mark_audited, write_audit
 from serving.admin.deps import AppSettings, DbEngine, Operator, Principal
 from serving.admin.errors import DEPLOY_RESPONSES, ERROR_RESPONSES, OPERATION_ERROR_STATUS, AdminError
 from serving.admin.operations import OperationRunner, get_operation
@@ -36,6 +37,7 @@ from serving.admin.schemas import (
     operation_public,
 )
 from serving.fleet import deploy
+from serving.fleet.registry import DeployError, fleet_status
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -63,20 +65,38 @@ def start_operation(
     operator: Principal,
     kind: str,
     params: dict[str, Any],
+    check: Callable[[], None],
     work: Callable[[dict[str, Any]], dict[str, Any]],
     wait: bool,
     wait_s: float | None,
+    audit_info: dict[str, Any] | None = None,
 ) -> OperationPublic:
-    """Submit ``work`` (given the audit details) as an operation; answer it, or wait for its end."""
+    """``check`` the request, submit ``work`` (given the audit details) as an operation; answer it, or wait.
+
+    A refusal of ``check`` or of the submission (another operation, the fleet's lock) is
+    audited as the deployment function audits its own: ``audit_info`` and the token's
+    details, the error and its message, the fleet before.
+    """
     settings = request.app.state.settings
+    engine = request.app.state.engine
     runner: OperationRunner = request.app.state.operations
+    fleet = settings.serving.fleet
     reason = params.get("reason")
 
     def run(operation_id: uuid.UUID) -> dict[str, Any]:
         result = work(operator.details(reason=reason, operation_id=str(operation_id)))
         return deploy_result(kind, operator.actor, result).model_dump(mode="json")
 
-    row = runner.submit(settings.serving.fleet, kind, operator.actor, params, run)
+    try:
+        check()
+        row = runner.submit(fleet, kind, operator.actor, params, run)
+    except DeployError as err:
+        details = {**(audit_info or {}), **operator.details(reason=reason), "error": err.kind, "message": err.message}
+        before = fleet_status(engine, fleet).to_dict()
+        write_audit(engine, actor=operator.actor, action=kind, target=f"fleet:{fleet}", before=before, details=details,
+                    success=False)  # fmt: skip
+        mark_audited(request)
+        raise
     response.headers["Location"] = f"/v1/operations/{row.id}"
     if wait:
         runner.wait(row.id, wait_s or settings.serving.operation_wait_s)
@@ -102,18 +122,19 @@ def deploy_canary(
     wait_s: WaitS = None,
 ) -> OperationPublic:
     """Deploy a checkpoint as the fleet's canary with a traffic weight (hot swap, one replica at a time)."""
-    deploy.check_canary(engine, settings, body.checkpoint_id, body.weight)
     return start_operation(
         request,
         response,
         operator,
         "deploy.canary",
         body.model_dump(),
+        lambda: deploy.check_canary(engine, settings, body.checkpoint_id, body.weight),
         lambda details: deploy.deploy_canary(
             engine, settings, body.checkpoint_id, body.weight, operator.actor, details=details
         ),
         wait,
         wait_s,
+        {**body.model_dump(), "strategy": settings.serving.strategy},
     )
 
 
@@ -131,16 +152,17 @@ def set_weight(
     wait_s: WaitS = None,
 ) -> OperationPublic:
     """Change the canary's share of new sessions."""
-    deploy.check_weight(engine, settings, body.weight)
     return start_operation(
         request,
         response,
         operator,
         "deploy.weight",
         body.model_dump(),
+        lambda: deploy.check_weight(engine, settings, body.weight),
         lambda details: deploy.set_canary_weight(engine, settings, body.weight, operator.actor, details=details),
         wait,
         wait_s,
+        {"weight": body.weight},
     )
 
 
@@ -157,13 +179,13 @@ def promote(
 ) -> OperationPublic:
     """Promote the canary: its checkpoint becomes stable on every replica."""
     body = body or PromoteRequest()
-    deploy.check_promote(engine, settings)
     return start_operation(
         request,
         response,
         operator,
         "deploy.promote",
         body.model_dump(),
+        lambda: deploy.check_promote(engine, settings),
         lambda details: deploy.promote(engine, settings, operator.actor, details=details),
         wait,
         wait_s,
@@ -183,16 +205,17 @@ def rollback(
 ) -> OperationPublic:
     """Roll back: end the canary (back to the previous stable), or serve a given checkpoint as stable."""
     body = body or RollbackRequest()
-    deploy.check_rollback(engine, settings, body.to_checkpoint_id)
     return start_operation(
         request,
         response,
         operator,
         "deploy.rollback",
         body.model_dump(),
+        lambda: deploy.check_rollback(engine, settings, body.to_checkpoint_id),
         lambda details: deploy.rollback(
             engine, settings, operator.actor, to_checkpoint_id=body.to_checkpoint_id, details=details
         ),
         wait,
         wait_s,
+        {"to_checkpoint_id": body.to_checkpoint_id},
     )
