@@ -1,16 +1,23 @@
 """``flywheel`` commands that drive serving through the admin API.
 
-``checkpoints``, ``deploy``, ``promote``, ``rollback``, ``canary``, ``status``, ``tokens`` and
-``audit`` talk to the admin API over HTTP with an ops token (``--token`` or
+``checkpoints``, ``deploy``, ``promote``, ``rollback``, ``canary``, ``ops``, ``status``, ``tokens``
+and ``audit`` talk to the admin API over HTTP with an ops token (``--token`` or
 ``FLYWHEEL_TOKEN``), so every action is authorised by the token's role and audited under its
 name. The API's URL is ``serving.admin_url`` (``FLYWHEEL_SERVING__ADMIN_URL``), else
 ``http://serving.admin_host:serving.admin_port``; ``--url`` overrides both.
 
+``deploy``, ``promote``, ``rollback`` and ``canary weight`` are operations
+(:mod:`serving.admin.operations`): the API accepts them at once and they print the
+operation's id; ``--wait`` follows it to its end (progress on stderr, then what it did), as
+``flywheel ops show ID --wait`` does for any operation.
+
 The one exception is the first admin token: ``flywheel tokens create --role admin`` without a
 token, while no active admin token exists, creates it directly in Postgres (and says so).
 
-Exit codes: 0 done; 1 the API (or the CLI) refused, with the API's reason printed; 2 the admin
-API (or, for the bootstrap, Postgres) could not be reached, naming where it tried.
+Exit codes: 0 done (an operation accepted, or with ``--wait`` succeeded); 1 the API (or the CLI)
+refused, or the operation failed, with the reason printed; 2 the admin API (or, for the
+bootstrap, Postgres) could not be reached, naming where it tried; 3 ``--wait`` gave up after
+``--timeout`` seconds while the operation still runs (it goes on).
 httpx and SQLAlchemy are imported inside the commands, so ``flywheel --help`` stays instant.
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -26,9 +34,15 @@ import typer
 from flywheel.core.settings import Settings, get_settings
 
 READ_TIMEOUT_S = 30.0
-"""Timeout of a read request."""
-ACTION_TIMEOUT_S = 1800.0
-"""Timeout of a deployment action (a rolling swap of the whole fleet can take minutes)."""
+"""Timeout of a request (deployment actions answer at once with their operation)."""
+WAIT_TIMEOUT_S = 1800.0
+"""Default of ``--timeout``: how long ``--wait`` follows an operation (a rolling swap of the whole fleet
+can take minutes)."""
+POLL_S = 1.0
+"""How often ``--wait`` reads the operation."""
+PROGRESS_EVERY_S = 15.0
+"""How often ``--wait`` says that an operation is still running."""
+ACTIVE_STATES = ("queued", "running")
 
 TOKEN_OPTION = typer.Option(
     None,
@@ -46,10 +60,22 @@ URL_OPTION = typer.Option(
 )
 JSON_OPTION = typer.Option(False, "--json", help="Print the API's JSON answer.")
 REASON_OPTION = typer.Option(None, "--reason", help="Why (kept in the audit log).")
+WAIT_OPTION = typer.Option(
+    False,
+    "--wait",
+    help="Follow the operation to its end: progress on stderr, exit 0 when it succeeded, 1 with the reason "
+    "when it failed.",
+)
+TIMEOUT_OPTION = typer.Option(
+    WAIT_TIMEOUT_S,
+    "--timeout",
+    min=1.0,
+    help="With --wait: stop following after this many seconds (exit 3; the operation goes on).",
+)
 
 
 class CliFailure(Exception):
-    """A command failed: the message to print and the exit code (1 refused, 2 unreachable)."""
+    """A command failed: the message to print and the exit code (1 refused or failed, 2 unreachable, 3 timed out)."""
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -200,7 +226,7 @@ def print_fleet(fleet: dict[str, Any]) -> None:
     for rep in fleet.get("replicas") or []:
         reason = f"  ({rep['reason']})" if rep.get("reason") else ""
         typer.echo(
-            f"  replica {rep.get('url')} {rep.get('state')} version={rep.get('policy_version')} "
+            f"  replica {rep.get('id')} {rep.get('url')} {rep.get('state')} version={rep.get('policy_version')} "
             f"checkpoint={rep.get('checkpoint_id')}{reason}"
         )
 
@@ -225,6 +251,114 @@ def _print_result(answer: dict[str, Any], as_json: bool) -> None:
             f"  swap    {swap.get('url')} {swap.get('from_version')} -> {swap.get('to_version')} {outcome}, "
             f"paused {_fmt(swap.get('pause_ms'), 0)} ms of {_fmt(swap.get('total_ms'), 0)} ms{reason}"
         )
+
+
+def _operation_line(op: dict[str, Any]) -> str:
+    return (
+        f"operation {op.get('id')} {op.get('state')}: {op.get('kind')} on fleet {op.get('fleet')} by {op.get('actor')}"
+    )
+
+
+def print_operation(op: dict[str, Any]) -> None:
+    """An operation in lines: what, when, by which process, then its result or its error."""
+    typer.echo(_operation_line(op))
+    params = " ".join(f"{k}={v}" for k, v in (op.get("params") or {}).items() if v is not None)
+    typer.echo(f"  params   {params or '-'}")
+    typer.echo(
+        f"  created  {op.get('created_at')}  started {_fmt(op.get('started_at'))}  "
+        f"finished {_fmt(op.get('finished_at'))}"
+    )
+    typer.echo(f"  owner    {op.get('owner')} (lease renewed {op.get('heartbeat_at')}, {_fmt(op.get('lease_s'), 0)} s)")
+    if op.get("state") == "failed":
+        typer.echo(f"  error    {op.get('error')}: {op.get('reason')}")
+    if op.get("result"):
+        _print_result(op["result"], as_json=False)
+
+
+def follow(client: AdminClient, op: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Read the operation until it ends; progress on stderr. Returns it succeeded; raises :class:`CliFailure`.
+
+    Failed: exit 1 with its error and reason. Still queued or running after ``timeout_s``:
+    exit 3 (2 when the admin API did not answer at the end). The admin API not answering
+    meanwhile (a restart) is retried: the operation is in Postgres, any admin API process answers.
+    """
+    op_id = op["id"]
+    typer.echo(_operation_line(op), err=True)
+    start = time.monotonic()
+    deadline, said = start + timeout_s, start
+    state, unreachable = op["state"], None
+    while op["state"] in ACTIVE_STATES:
+        if time.monotonic() > deadline:
+            if unreachable is not None:
+                raise CliFailure(2, f"{unreachable} (operation {op_id} was {state} when last seen)")
+            raise CliFailure(
+                3,
+                f"operation {op_id} still {state} after {timeout_s:g} s; it goes on: "
+                f"follow it with `flywheel ops show {op_id} --wait`",
+            )
+        time.sleep(POLL_S)
+        try:
+            op = client.call("GET", f"/v1/operations/{op_id}")
+        except CliFailure as failure:
+            if failure.code != 2:
+                raise
+            if unreachable is None:
+                typer.echo(f"{failure.message}; retrying until the timeout", err=True)
+            unreachable = failure.message
+            continue
+        unreachable = None
+        now = time.monotonic()
+        if op["state"] != state:
+            state, said = op["state"], now
+            typer.echo(f"operation {op_id} {state} ({now - start:.0f} s)", err=True)
+        elif now - said >= PROGRESS_EVERY_S:
+            said = now
+            typer.echo(f"operation {op_id} still {state} ({now - start:.0f} s)", err=True)
+    if op["state"] == "failed":
+        raise CliFailure(1, f"operation {op_id} ({op.get('kind')}) failed: {op.get('error')}: {op.get('reason')}")
+    return op
+
+
+def _follow_or_exit(client: AdminClient, op: dict[str, Any], timeout_s: float, as_json: bool) -> dict[str, Any]:
+    """:func:`follow`; a failed operation is printed (whole, or its JSON), then its reason, and exits 1."""
+    try:
+        return follow(client, op, timeout_s)
+    except CliFailure as failure:
+        if failure.code == 1:
+            ended = _run(client.call, "GET", f"/v1/operations/{op['id']}")
+            if as_json:
+                _echo_json(ended)
+            else:
+                print_operation(ended)
+        typer.echo(f"error: {failure.message}", err=True)
+        raise typer.Exit(failure.code) from None
+
+
+def _act(
+    token: str | None,
+    url: str | None,
+    method: str,
+    path: str,
+    body: dict[str, Any],
+    wait: bool,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Start a deployment operation; print its id, or with ``wait`` follow it and print what it did."""
+    client = _client(token, url)
+    op = _run(client.call, method, path, body=body)
+    if wait:
+        op = _follow_or_exit(client, op, timeout_s, as_json)
+        if as_json:
+            _echo_json(op)
+        else:
+            _print_result(op.get("result") or {}, as_json=False)
+        return
+    if as_json:
+        _echo_json(op)
+        return
+    typer.echo(_operation_line(op))
+    typer.echo(f"follow it with `flywheel ops show {op['id']} --wait` (or pass --wait)", err=True)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -283,30 +417,27 @@ def checkpoints_show(
 def deploy_command(
     checkpoint_id: str = typer.Argument(..., help="Checkpoint to deploy as the canary."),
     weight: float = typer.Option(0.05, "--weight", help="Canary share of new sessions, in (0, 1]."),
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
     token: str | None = TOKEN_OPTION,
     url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Deploy a checkpoint as the fleet's canary (hot swap, one replica at a time)."""
-    answer = _run(
-        _client(token, url).call,
-        "POST",
-        "/v1/canary",
-        body={"checkpoint_id": checkpoint_id, "weight": weight},
-        timeout=ACTION_TIMEOUT_S,
-    )
-    _print_result(answer, as_json)
+    body = {"checkpoint_id": checkpoint_id, "weight": weight}
+    _act(token, url, "POST", "/v1/canary", body, wait, timeout, as_json)
 
 
 def promote_command(
     reason: str | None = REASON_OPTION,
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
     token: str | None = TOKEN_OPTION,
     url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Promote the canary to stable on the whole fleet."""
-    answer = _run(_client(token, url).call, "POST", "/v1/promote", body={"reason": reason}, timeout=ACTION_TIMEOUT_S)
-    _print_result(answer, as_json)
+    _act(token, url, "POST", "/v1/promote", {"reason": reason}, wait, timeout, as_json)
 
 
 def rollback_command(
@@ -314,19 +445,14 @@ def rollback_command(
         None, "--to", help="Checkpoint to serve as stable (default: end the canary, back to the previous stable)."
     ),
     reason: str | None = REASON_OPTION,
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
     token: str | None = TOKEN_OPTION,
     url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Roll back to the previous stable, or to any checkpoint with --to."""
-    answer = _run(
-        _client(token, url).call,
-        "POST",
-        "/v1/rollback",
-        body={"to_checkpoint_id": to, "reason": reason},
-        timeout=ACTION_TIMEOUT_S,
-    )
-    _print_result(answer, as_json)
+    _act(token, url, "POST", "/v1/rollback", {"to_checkpoint_id": to, "reason": reason}, wait, timeout, as_json)
 
 
 # --------------------------------------------------------------------------- canary
@@ -360,19 +486,14 @@ def canary_status(token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION
 def canary_weight(
     weight: float = typer.Argument(..., help="New canary share of new sessions, in (0, 1]."),
     reason: str | None = REASON_OPTION,
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
     token: str | None = TOKEN_OPTION,
     url: str | None = URL_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Change the canary's traffic weight."""
-    answer = _run(
-        _client(token, url).call,
-        "PUT",
-        "/v1/canary/weight",
-        body={"weight": weight, "reason": reason},
-        timeout=ACTION_TIMEOUT_S,
-    )
-    _print_result(answer, as_json)
+    _act(token, url, "PUT", "/v1/canary/weight", {"weight": weight, "reason": reason}, wait, timeout, as_json)
 
 
 def _flag(path: str, what: str, reason: str | None, token: str | None, url: str | None) -> None:
@@ -394,6 +515,61 @@ def canary_resume(
 ) -> None:
     """Resume the canary controller."""
     _flag("/v1/canary/resume", "canary controller", reason, token, url)
+
+
+# --------------------------------------------------------------------------- operations
+
+ops_app = typer.Typer(
+    no_args_is_help=False, help="Deployment operations (deploy, weight, promote, rollback): list, show."
+)
+
+
+@ops_app.callback(invoke_without_command=True)
+def _ops_default(ctx: typer.Context, token: str | None = TOKEN_OPTION, url: str | None = URL_OPTION) -> None:
+    """List recent operations when no subcommand is given."""
+    if ctx.invoked_subcommand is None:
+        ops_list(token=token, url=url, limit=20, state=None, kind=None, as_json=False)
+
+
+@ops_app.command("list")
+def ops_list(
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    limit: int = typer.Option(20, min=1, max=500, help="Rows."),
+    state: str | None = typer.Option(None, help="Only this state (queued, running, succeeded, failed)."),
+    kind: str | None = typer.Option(None, help="Only this kind (deploy.canary, deploy.weight, deploy.promote, ...)."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Recent operations, newest first: id, state, kind, who, when, and why a failed one failed."""
+    page = _run(
+        _client(token, url).call, "GET", "/v1/operations", params={"limit": limit, "state": state, "kind": kind}
+    )
+    if as_json:
+        _echo_json(page)
+        return
+    for op in page["items"]:
+        why = f"  {op.get('error')}: {op.get('reason')}" if op.get("state") == "failed" else ""
+        typer.echo(f"{op['id']}  {op['state']:9} {op['kind']:16} {op['actor']:24} {op['created_at']}{why}")
+
+
+@ops_app.command("show")
+def ops_show(
+    operation_id: str = typer.Argument(..., help="Operation id (printed by deploy, promote, rollback, canary weight)."),
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """One operation: its state, its result or its error; --wait follows it to its end (exit 1 if it failed)."""
+    client = _client(token, url)
+    op = _run(client.call, "GET", f"/v1/operations/{quote(operation_id, safe='')}")
+    if wait:
+        op = _follow_or_exit(client, op, timeout, as_json)
+    if as_json:
+        _echo_json(op)
+    else:
+        print_operation(op)
 
 
 # --------------------------------------------------------------------------- status
@@ -596,5 +772,6 @@ def register(app: typer.Typer) -> None:
     app.command("promote")(promote_command)
     app.command("rollback")(rollback_command)
     app.add_typer(canary_app, name="canary")
+    app.add_typer(ops_app, name="ops")
     app.command("audit")(audit_command)
     app.add_typer(tokens_app, name="tokens")

@@ -148,36 +148,43 @@ def versions(urls: list[str]) -> list[str | None]:
 
 
 def test_deploy_weight_promote_and_rollback_through_the_cli_and_the_api(db_url, server, ops_token, fleet, base_version):
-    result = flywheel(server, ops_token, "deploy", CANDIDATE, "--weight", "0.1")
+    result = flywheel(server, ops_token, "deploy", CANDIDATE, "--weight", "0.1", "--wait")
     assert result.exit_code == 0, result.output
-    assert "deploy.canary done by token:ops" in result.output
+    assert "deploy.canary done by token:ops" in result.stdout and " succeeded (" in result.stderr
     assert versions(fleet) == [base_version, CANDIDATE]  # one replica takes the canary, never both
 
-    result = flywheel(server, ops_token, "canary", "weight", "0.5")
+    result = flywheel(server, ops_token, "canary", "weight", "0.5", "--wait")
     assert result.exit_code == 0, result.output
     status = flywheel(server, ops_token, "status", "--no-stack")
     assert status.exit_code == 0, status.output
     assert f"canary  checkpoint={CANDIDATE} version={CANDIDATE} weight=0.50 status=active" in status.output
 
-    result = flywheel(server, ops_token, "promote", "--reason", "non-inferior")
-    assert result.exit_code == 0, result.output
+    result = flywheel(server, ops_token, "promote", "--reason", "non-inferior")  # answers at once ...
+    assert result.exit_code == 0 and " queued: deploy.promote " in result.stdout, result.output
+    op_id = result.stdout.split()[1]
+    result = flywheel(server, ops_token, "ops", "show", op_id, "--wait")  # ... and is followed to its end
+    assert result.exit_code == 0 and f"operation {op_id} succeeded: deploy.promote" in result.stdout, result.output
     assert versions(fleet) == [CANDIDATE, CANDIDATE]
 
-    result = flywheel(server, ops_token, "rollback", "--reason", "complaints")  # to the previous stable
+    result = flywheel(server, ops_token, "rollback", "--reason", "complaints", "--wait")  # to the previous stable
     assert result.exit_code == 0, result.output
     assert versions(fleet) == [base_version, base_version]
 
     auth = {"Authorization": f"Bearer {ops_token}"}
-    answer = httpx.post(
-        f"{server}/v1/canary", json={"checkpoint_id": CANDIDATE, "weight": 0.05}, headers=auth, timeout=900
+    answer = httpx.post(  # the synchronous answer: ?wait=true holds the request until the operation ends
+        f"{server}/v1/canary?wait=true",
+        json={"checkpoint_id": CANDIDATE, "weight": 0.05},
+        headers=auth,
+        timeout=900,
     )
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["canary"]["checkpoint_id"] == CANDIDATE and answer.json()["actor"] == "token:ops"
-    answer = httpx.post(f"{server}/v1/rollback", json={}, headers=auth, timeout=900)  # ends the canary
-    assert answer.status_code == 200 and answer.json()["canary"] is None, answer.text
+    assert answer.status_code == 200 and answer.json()["state"] == "succeeded", answer.text
+    result = answer.json()["result"]
+    assert result["canary"]["checkpoint_id"] == CANDIDATE and result["actor"] == "token:ops"
+    answer = httpx.post(f"{server}/v1/rollback?wait=true", json={}, headers=auth, timeout=900)  # ends the canary
+    assert answer.status_code == 200 and answer.json()["result"]["canary"] is None, answer.text
     assert versions(fleet) == [base_version, base_version]
 
-    result = flywheel(server, ops_token, "rollback", "--to", CANDIDATE)  # the stable to any checkpoint
+    result = flywheel(server, ops_token, "rollback", "--to", CANDIDATE, "--wait")  # the stable to any checkpoint
     assert result.exit_code == 0, result.output
     assert versions(fleet) == [CANDIDATE, CANDIDATE]
     fleet_now = httpx.get(f"{server}/v1/fleet", headers=auth, timeout=30).json()
