@@ -95,7 +95,12 @@ def demo(
 
 @app.command("status")
 def status_command(
-    stack: bool = typer.Option(True, "--stack/--no-stack", help="Show the local stack's components."),
+    stack: bool | None = typer.Option(
+        None,
+        "--stack/--no-stack",
+        show_default=False,
+        help="Show the local stack's components [default: only without an admin URL (--url, serving.admin_url)].",
+    ),
     fleet: bool = typer.Option(True, "--fleet/--no-fleet", help="Show the fleet, trainer and canary (admin API)."),
     token: str | None = TOKEN_OPTION,
     url: str | None = URL_OPTION,
@@ -103,9 +108,14 @@ def status_command(
 ) -> None:
     """The local stack (what runs where, healthy or not), then the fleet through the admin API.
 
-    Exit 1: a stack component is unhealthy or the API refused; exit 2: the admin API is unreachable.
+    Against a remote admin API (``--url``, or ``serving.admin_url`` /
+    ``FLYWHEEL_SERVING__ADMIN_URL``) only the admin API is asked: no local stack is read or
+    probed, unless ``--stack`` asks for it. Exit 1: a stack component is unhealthy or the API
+    refused; exit 2: the admin API is unreachable.
     """
     code = 0
+    if stack is None:
+        stack = not is_remote(url)
     if stack:
         try:
             stack_status()
@@ -117,6 +127,13 @@ def status_command(
             raise typer.Exit(max(code, fleet_code))
     if code:
         raise typer.Exit(code)
+
+
+def is_remote(url: str | None) -> bool:
+    """Whether ``flywheel status`` talks to an admin API named explicitly (``--url`` or ``serving.admin_url``)."""
+    from flywheel.core.settings import get_settings
+
+    return bool(url or get_settings().serving.admin_url)
 
 
 @app.command("env")

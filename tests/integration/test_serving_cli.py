@@ -258,7 +258,7 @@ def test_status_shows_stack_and_fleet(server, ops_token, tmp_path, fleet):
     assert fleet_only.exit_code == 0, fleet_only.output
     assert f"fleet {fleet}" in fleet_only.output and "stable  none" in fleet_only.output
     assert "trainer: running" in fleet_only.output and "canary controller: running" in fleet_only.output
-    both = flywheel("status", env=env, tmp_run=tmp_path / "run")
+    both = flywheel("status", "--stack", env=env, tmp_run=tmp_path / "run")  # an admin URL alone: no stack
     assert "flywheel stack" in both.output and "not up" in both.output and f"fleet {fleet}" in both.output
     assert both.exit_code == 1  # nothing of the local stack runs in this run folder
     unreachable = flywheel("status", "--no-stack", "--url", "http://127.0.0.1:9", env=env)
