@@ -48,10 +48,10 @@ COPY serving serving
 COPY migrations migrations
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
  && cd / && rm -rf /src && python -c "import flywheel, ingest, rewarding, trainer, serving"
-# A non-root user owns the data (the run folder), model and checkpoint volumes' mount points, so
-# a named volume mounted there starts writable.
+# A non-root user owns the data (the run folder), model, checkpoint and compile-cache volumes'
+# mount points, so a named volume mounted there starts writable.
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin flywheel \
- && mkdir -p /data/run /data/checkpoints /models/cache \
+ && mkdir -p /data/run /data/checkpoints /data/cache /models/cache \
  && chown -R flywheel:flywheel /data /models
 USER flywheel:flywheel
 WORKDIR /data

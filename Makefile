@@ -10,11 +10,12 @@ PY := $(VENV)/bin/python
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit lint up down status model bench-byo bench-% lock clean help
+.PHONY: setup demo test test-unit test-compose lint up down status model bench-byo bench-% lock clean help
 
 help:
 	@echo "make demo   - set up, start the local stack, run the main job, shut down"
 	@echo "make test   - set up, start what the tests need, run the lint checks and the whole test suite"
+	@echo "make test-compose - the production compose project in a real Docker engine, the loop through its ingresses (as root)"
 	@echo "make lint   - unique test basenames, the layer contracts (lint-imports), ruff check, ruff format --check"
 	@echo "make up / make down / make status - the local stack alone"
 	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
@@ -66,6 +67,13 @@ test: setup lint
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The production compose file, for real: a Docker engine (Debian's docker.io, started if none runs),
+# images built from Debian's packages and this checkout, the whole project up with the CPU override,
+# the loop driven through the router, the gateway and the admin API, down and up again with the
+# volumes kept (tests/compose/compose_loop.py; docs/deploy.md). Needs root; prints one JSON line.
+test-compose: setup
+	$(PY) tests/compose/compose_loop.py $(COMPOSE_ARGS)
 
 bench-train: setup
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/bench.txt

@@ -4,6 +4,8 @@
 # cannot remove them: Compose merges device lists, and a CPU engine refuses to create a container
 # that asks for one), writes the result to .flywheel/compose-cpu.yml and runs docker-compose on it
 # with the arguments given. The project name is flywheel-cpu unless COMPOSE_PROJECT_NAME says.
+# FLYWHEEL_COMPOSE_EXTRA: more override files (space-separated) applied after the CPU one, e.g. the
+# compose loop test's tests/compose/loop.yml.
 #
 #   POSTGRES_PASSWORD=... scripts/compose-cpu.sh up -d
 #   scripts/compose-cpu.sh ps
@@ -13,7 +15,9 @@ PY=${PY:-.venv/bin/python}
 mkdir -p .flywheel
 out=.flywheel/compose-cpu.yml
 umask 077  # the rendered file holds the secrets the environment gave
-docker-compose -f docker-compose.yml -f docker-compose.cpu.yml config > "$out.merged"
+files=(-f docker-compose.yml -f docker-compose.cpu.yml)
+for extra in ${FLYWHEEL_COMPOSE_EXTRA:-}; do files+=(-f "$extra"); done
+docker-compose "${files[@]}" config > "$out.merged"
 "$PY" - "$out.merged" "$out" <<'PYEOF'
 import sys
 

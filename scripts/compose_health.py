@@ -61,7 +61,10 @@ def verdict(container: dict) -> tuple[bool, str]:
 def services(project: str, expected: list[str]) -> dict[str, tuple[bool, str]]:
     by_service: dict[str, tuple[bool, str]] = {name: (False, "not created") for name in expected}
     for container in containers(project):
-        name = container["Config"]["Labels"].get("com.docker.compose.service", container["Name"])
+        labels = container["Config"]["Labels"]
+        name = labels.get("com.docker.compose.service", container["Name"])
+        if labels.get("com.docker.compose.oneoff") == "True" or (expected and name not in expected):
+            continue  # a one-off container (`docker-compose run`), or a service started only on demand
         ok, why = verdict(container)
         seen_ok, seen_why = by_service.get(name, (True, ""))
         if seen_why == "not created":
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     expected = []
     if args.compose_file.is_file():
-        expected = list(yaml.safe_load(args.compose_file.read_text())["services"])
+        # A service in a profile (the loop test's client) is started only on demand: not expected.
+        declared = yaml.safe_load(args.compose_file.read_text())["services"]
+        expected = [name for name, service in declared.items() if not service.get("profiles")]
     start = time.monotonic()
     while True:
         state = services(args.project, expected)
