@@ -52,16 +52,22 @@ class Admin:
         return response.json()
 
     def post(self, path: str, body: dict[str, Any] | None = None, *, retry_conflict_s: float = 0.0) -> tuple[int, Any]:
-        """POST; a long action answered with an operation (202) is followed to its end. A 409 (another
-        deployment operation holds the fleet, e.g. the controller's own swap) is retried for ``retry_conflict_s``."""
+        """POST; a long action answered with an operation (202) is followed to its end (then 200 when it
+        succeeded, 500 when it failed). A conflict (another deployment operation holds the fleet, e.g. the
+        controller's own look), answered at once (409) or as the operation's error, is retried for
+        ``retry_conflict_s``."""
         deadline = time.monotonic() + retry_conflict_s
         while True:
-            response = self.http.post(path, json=body)
-            answer = response.json() if response.content else None
-            if response.status_code != 409 or time.monotonic() > deadline:
-                break
-            log.info("%s answered 409 (%s); trying again", path, answer)
+            status, answer = self._post_once(path, body)
+            conflict = status == 409 or (isinstance(answer, dict) and answer.get("error") == "conflict")
+            if not conflict or time.monotonic() > deadline:
+                return status, answer
+            log.info("%s: conflict (%s); trying again", path, answer.get("reason") if isinstance(answer, dict) else "")
             time.sleep(2.0)
+
+    def _post_once(self, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        response = self.http.post(path, json=body)
+        answer = response.json() if response.content else None
         if response.status_code == 202 and isinstance(answer, dict) and answer.get("id"):
             deadline = time.monotonic() + 600
             while answer.get("state") not in OPERATION_STATES_DONE and time.monotonic() < deadline:
