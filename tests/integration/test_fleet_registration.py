@@ -179,13 +179,11 @@ def test_flywheel_fleet_register_records_the_replica_and_the_base_as_stable(
     )  # fmt: skip
     assert (replicas[dead].state, replicas[dead].checkpoint_id) == ("failed", None)
     assert "did not answer" in replicas[dead].reason
-    assert f"replica {replicas[dead].id}  {dead}  registered  FAILED" in first.stdout  # the id clients see, for ops
 
     again = register(env, vllm_replica.url, "--json")  # idempotent: nothing new written
     assert again.returncode == 0, again.stderr
     shown = json.loads(again.stdout)
     assert shown["stable"]["id"] == stable.id and len(shown["replicas"]) == 2
-    assert {r["id"]: r["url"] for r in shown["replicas"]} == {r.id: u for u, r in replicas.items()}
     deployments, replicas_after, audit_after = rows(engine, fleet)
     assert [d.id for d in deployments] == [stable.id] and len(audit_after) == 1
     assert replicas_after[vllm_replica.url].updated_at == live.updated_at
