@@ -289,11 +289,14 @@ class Router:
 
     async def start(self) -> None:
         """Open the upstream pools, read the table, probe every replica once, start the loops."""
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, enable_cleanup_closed=True)
+        keepalive = self.cfg.upstream_keepalive_s  # below the replicas' own, so none is closed under a request
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding")
         )
-        self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0))
+        self._probe_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive)
+        )
         try:
             await self.refresh()
         except Exception as err:  # the loop keeps retrying; the router starts and says it is not ready

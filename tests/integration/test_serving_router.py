@@ -327,6 +327,40 @@ def open_stream(router_url: str, model: str, key: str) -> tuple[Any, str, Iterat
     return context, response.headers["x-flywheel-replica"], chunks
 
 
+class StreamReader:
+    """Reads the rest of a stream in a thread, so the test can see whether it is still generating."""
+
+    def __init__(self, chunks: Iterator[Any]):
+        self.chunks = chunks
+        self.count = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in self.chunks:
+                self.count += 1
+        except BaseException as err:  # noqa: BLE001 - the test asserts on it
+            self.error = err
+        finally:
+            self.done.set()
+
+    def stalled(self, quiet_s: float, timeout_s: float) -> bool:
+        """True once no chunk has come for ``quiet_s`` while the stream is still open; False if it ended."""
+        deadline = time.monotonic() + timeout_s
+        last, since = self.count, time.monotonic()
+        while time.monotonic() < deadline:
+            if self.done.wait(0.1):
+                return False
+            if self.count != last:
+                last, since = self.count, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return True
+        raise AssertionError(f"the stream neither ended nor stalled in {timeout_s} s")
+
+
 def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: Fleet, fault_figures) -> None:
     configure(fleet, [fleet.base_version] * 2, None)
     with RouterThread(router_settings(fleet), fleet.engine) as rt:
@@ -347,29 +381,42 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         for w in workers:
             w.start()
         streams = []
+        killed = False
         try:
             wait_for(lambda: {r for _, _, r in results} == set(fleet.urls), 60, "load on both replicas")
             # Long streams that have started (first chunk read): the first one's replica survives;
-            # the first one landing elsewhere (least outstanding) is broken by the kill at once.
+            # the first one landing elsewhere (least outstanding) is the one the kill breaks.
             streams.append(open_stream(rt.url, fleet.base_version, fleet.key))
             survivor = streams[0][1]
-            for _ in range(8):
-                streams.append(open_stream(rt.url, fleet.base_version, fleet.key))
-                if streams[-1][1] != survivor:
+            victim = reader = None
+            for _ in range(5):
+                for _ in range(8):
+                    streams.append(open_stream(rt.url, fleet.base_version, fleet.key))
+                    if streams[-1][1] != survivor:
+                        break
+                victim = streams[-1][1]
+                assert victim != survivor, "every stream went to the same replica"
+                # Frozen first, and the kill only once the stream is seen stalled (still generating): a fast
+                # machine generated, sent and buffered a whole 32 x 240-token stream before the kill landed.
+                vllm_admin.pause(victim, mode="keep")
+                reader = StreamReader(streams[-1][2])
+                if reader.stalled(quiet_s=2.0, timeout_s=60):
                     break
-            broken = streams[-1]
-            victim = broken[1]
-            assert victim != survivor, "every stream went to the same replica"
+                vllm_admin.resume(victim)  # it had finished before the pause: another stream
+            else:
+                pytest.fail("five streams to one replica each finished before the replica was paused")
+            assert victim is not None and reader is not None
             pid = load_state(fleet.settings).components[f"vllm-{fleet.urls.index(victim)}"].pid
-            # Frozen first, so the broken stream is still generating when the replica dies: on an idle
-            # machine a whole 32 x 240-token stream was once generated (and buffered) before the kill.
-            vllm_admin.pause(victim, mode="keep")
             os.killpg(pid, signal.SIGKILL)
+            killed = True
             killed_at = time.monotonic()
-            with pytest.raises(openai.APIError, match="failed mid-stream"):  # started: an error event, not silence
-                list(broken[2])
-            for _, _, chunks in streams[:-1]:
-                assert len(list(chunks)) > 10
+            assert reader.done.wait(60), "the broken stream did not end"
+            # started, so the router ends it with an error event (an APIError), not silence
+            assert isinstance(reader.error, openai.APIError), repr(reader.error)
+            assert "failed mid-stream" in str(reader.error), str(reader.error)
+            for _, replica, chunks in streams[:-1]:
+                if replica == survivor:
+                    assert len(list(chunks)) > 10
             wait_for(lambda: rt.router.health[victim].ejected, 20, "the killed replica ejected")
             time.sleep(2.0)
         finally:
@@ -378,6 +425,8 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
                 w.join(120)
             for context, _, _ in streams:
                 context.__exit__(None, None, None)
+            if killed:  # restarted whatever this test's assertions say, so the next test has two replicas
+                up(fleet.settings, ["vllm"], model_dir=fleet.model_dir)
         after = [(s, r) for t, s, r in results if t > killed_at + 0.5]
         ok = sum(1 for _, s, _ in results if s == 200)
         fault_figures(unit="requests", sent=len(results), stored=ok, distinct=ok)
@@ -385,7 +434,6 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         assert after and all(r == survivor for _, r in after)
         assert rt.router.metrics.ejections.labels(rt.router.replica_name(victim))._value.get() >= 1
 
-        up(fleet.settings, ["vllm"], model_dir=fleet.model_dir)  # restarts the dead replica
         warm(victim, fleet.base_version)
         wait_for(lambda: victim in routable_urls(rt.router), 30, "the restarted replica back in rotation")
         served = Counter(

@@ -272,7 +272,11 @@ class MiniRouter:
         table: dict[str, str] = {}
         read_at = 0.0
         n = index
-        with httpx.Client(timeout=120) as client:
+        # Idle connections are dropped before vLLM's own 5 s keep-alive ends, as the router does
+        # (serving.upstream_keepalive_s): a swapped replica's pooled connection was once closed by the
+        # replica just as this client reused it ("Server disconnected without sending a response").
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        with httpx.Client(timeout=120, limits=limits) as client:
             while not self.stop.is_set():
                 if time.monotonic() - read_at >= REFRESH_S:
                     table = {url: row.state for url, row in replica_rows(self.engine).items()}

@@ -128,6 +128,10 @@ class ServingSettings(BaseModel):
     """Consecutive failed probes (or connection errors) that eject a replica until it answers again."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Upstream timeout of one proxied request."""
+    upstream_keepalive_s: float = Field(4.0, gt=0, le=300)
+    """How long the router keeps an idle connection to a replica for reuse. Keep it below the replicas'
+    own keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default): a connection the replica is
+    closing just as the router reuses it fails the request's attempt and counts against the replica."""
     max_attempts: int = Field(3, ge=1, le=10)
     """Replicas tried for a request that has not started streaming."""
     sticky_ttl_s: float = Field(6 * 3600.0, gt=0)
