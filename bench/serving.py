@@ -244,16 +244,28 @@ def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Pope
         )
 
 
-def _wait_routable(router_url: str, urls: set[str], timeout_s: float = 60.0) -> None:
+def _replica_ids(engine: Any, urls: set[str]) -> set[str]:
+    """The public ids of the replicas at ``urls``: what the router's ``/ready`` lists."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from flywheel.core.db.models import Replica
+
+    with Session(engine) as s:
+        return {str(r.id) for r in s.scalars(select(Replica).where(Replica.fleet == FLEET, Replica.url.in_(urls)))}
+
+
+def _wait_routable(router_url: str, engine: Any, urls: set[str], timeout_s: float = 60.0) -> None:
     import httpx
 
+    ids = _replica_ids(engine, urls)
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         try:
             r = httpx.get(f"{router_url}/ready", timeout=2)
             last = r.text
-            if r.status_code == 200 and {u for us in r.json()["routable"].values() for u in us} == urls:
+            if r.status_code == 200 and {i for ids_ in r.json()["routable"].values() for i in ids_} == ids:
                 return
         except httpx.HTTPError as err:
             last = repr(err)
@@ -516,7 +528,7 @@ def main() -> None:
         AUTH["Authorization"] = f"Bearer {_product_key(engine)}"
         router = _start_router(settings, db_url, run_dir / "router.log")
         router_url = f"http://127.0.0.1:{settings.serving.router_port}"
-        _wait_routable(router_url, {urls[0]})
+        _wait_routable(router_url, engine, {urls[0]})
         print(f"replicas {urls}, router {router_url}, database {db_url.rsplit('/', 1)[-1]}", flush=True)
 
         layout = CpuLayout(records[0].pid, router.pid) if args.layout == "fixed" else None
@@ -529,7 +541,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
 
         _set_state(engine, urls[1], "serving")
-        _wait_routable(router_url, set(urls))
+        _wait_routable(router_url, engine, set(urls))
         run_load(urls[1], base, 2, args.max_tokens, 2.0)  # warm the second replica
         swap_settings = settings.model_copy(update={"postgres": settings.postgres.model_copy(update={"url": db_url})})
         result.update(rolling_swaps(engine, swap_settings, router_url, urls, base, [base, alt], deployment_id, args))

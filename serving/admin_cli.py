@@ -226,7 +226,7 @@ def print_fleet(fleet: dict[str, Any]) -> None:
     for rep in fleet.get("replicas") or []:
         reason = f"  ({rep['reason']})" if rep.get("reason") else ""
         typer.echo(
-            f"  replica {rep.get('url')} {rep.get('state')} version={rep.get('policy_version')} "
+            f"  replica {rep.get('id')} {rep.get('url')} {rep.get('state')} version={rep.get('policy_version')} "
             f"checkpoint={rep.get('checkpoint_id')}{reason}"
         )
 

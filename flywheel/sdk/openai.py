@@ -9,7 +9,7 @@ client. A call made inside a session (the current one of this context, or an exp
 - the request (prompt messages or text, sampling parameters) and the response (text,
   tool calls, finish reason);
 - the policy version: the router's ``x-flywheel-policy-version`` response header, else
-  the served model name; the replica from ``x-flywheel-replica`` when present;
+  the served model name; the replica (its public id) from ``x-flywheel-replica`` when present;
 - token ids and sampling logprobs. Unless ``request_token_data=False``, the wrapper asks
   vLLM for them where the agent did not choose otherwise: ``extra_body``
   ``{"return_token_ids": true}``, ``logprobs=True, top_logprobs=0`` (chat) or

@@ -176,6 +176,9 @@ class ReplicaPublic(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
+    id: int | None = None
+    """The replica's public id: what the router tells its clients (``x-flywheel-replica``, ``/ready``,
+    error messages) and its metrics' ``replica`` label. ``url`` is shown to ops only."""
     url: str
     state: str
     """``serving``, ``draining``, ``swapping`` or ``failed``."""

@@ -132,7 +132,7 @@ def _register(settings: Settings, db: str, urls: list[str], model_dir: Path | No
         state = rep.state
         if rep.state == "failed":
             state = f"FAILED ({rep.reason}; the canary controller, or this command again, records it once it answers)"
-        typer.echo(f"{rep.url}  {how}  {state}  policy_version={rep.policy_version}")
+        typer.echo(f"replica {rep.id}  {rep.url}  {how}  {state}  policy_version={rep.policy_version}")
     return 0
 
 

@@ -81,6 +81,9 @@ class DeploymentInfo:
 class ReplicaInfo:
     """A replica row as the API shows it."""
 
+    id: int
+    """The row's id: the one name the router's clients and metrics know the replica by
+    (``x-flywheel-replica``, ``/ready``, its error messages, the ``replica`` label); ``url`` is internal."""
     url: str
     state: str
     policy_version: str | None
@@ -141,6 +144,7 @@ def deployment_info(session: Session, row: Deployment) -> DeploymentInfo:
 def replica_info(row: Replica) -> ReplicaInfo:
     """The API view of a replica row."""
     return ReplicaInfo(
+        id=row.id,
         url=row.url,
         state=row.state,
         policy_version=row.policy_version,

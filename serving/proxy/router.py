@@ -18,18 +18,24 @@ The router's Prometheus counters are not on the public port: ``GET /metrics`` on
 ``serving.router_metrics_host:router_metrics_port`` (loopback by default; off unless a port is
 set). Their ``replica`` label is the replica's id in the ``replicas`` table, never its URL.
 
+No answer to a client names a replica's internal URL: headers, bodies, ``/ready`` and error
+messages name a replica by the same id (:meth:`Router.replica_name`), and error details taken
+from a failed connection or an upstream body are redacted of network addresses
+(:func:`redact`). The router's own log keeps the URLs.
+
 Every ``refresh_s`` the routing table (active deployments of ``serving.fleet`` and their
 ``replicas`` rows) is read from Postgres in a worker thread; every ``health_interval_s``
 each replica is probed (``/health``, ``/weight_info``, ``/v1/models``). No request touches
 the database. The decisions (split, stickiness, ejection, least outstanding) are the pure
 functions of :mod:`serving.proxy.routing`.
 
-A proxied response carries ``x-flywheel-policy-version`` and ``x-flywheel-replica``
-headers; a non-streamed JSON body also gets a ``"flywheel": {"policy_version", "replica"}``
-member (spliced into the bytes, not re-serialised). SSE chunks are passed through as they
-arrive. A request that fails before its first byte reached the client (connection error,
-5xx, replica gone) is retried on another replica of the same version, up to
-``max_attempts``; a stream that breaks after it started ends with an SSE ``error`` event.
+A proxied response carries ``x-flywheel-policy-version`` and ``x-flywheel-replica`` (the
+replica's id) headers; a non-streamed JSON body also gets a
+``"flywheel": {"policy_version", "replica"}`` member (spliced into the bytes, not
+re-serialised). SSE chunks are passed through as they arrive. A request that fails before
+its first byte reached the client (connection error, 5xx, replica gone) is retried on
+another replica of the same version, up to ``max_attempts``; a stream that breaks after it
+started ends with an SSE ``error`` event.
 
 The server is a plain ASGI app (no framework on the hot path) run by uvicorn with uvloop
 and httptools; upstream calls share one ``aiohttp`` session with a keep-alive pool.
@@ -42,10 +48,12 @@ import importlib.util
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import uvicorn
@@ -111,7 +119,10 @@ class RouterError(Exception):
 
 
 class UpstreamFailed(Exception):
-    """A replica failed before the response started (connection error or 5xx): retry elsewhere."""
+    """A replica failed before the response started (connection error or 5xx): retry elsewhere.
+
+    ``url`` is for the router's log; what a client sees goes through :func:`redact`.
+    """
 
     def __init__(self, url: str, kind: str, detail: str):
         super().__init__(f"{url}: {kind}: {detail}")
@@ -373,7 +384,11 @@ class Router:
         self._keys_changed = asyncio.Event()
 
     def replica_name(self, url: str) -> str:
-        """What metrics call the replica at ``url``: its id in the ``replicas`` table."""
+        """The replica at ``url`` as metrics and clients know it: its id in the ``replicas`` table.
+
+        The one name a replica has outside the router (headers, bodies, ``/ready``, error
+        messages, metric labels); its URL is internal.
+        """
         for row in self.table.replicas:
             if row.url == url and row.id is not None:
                 return str(row.id)
@@ -542,14 +557,15 @@ class Router:
         key = (url, version)
         attempt = self._attempts.get(key)
         if attempt is None:
-            meta = json.dumps({"policy_version": version, "replica": url}).encode()
-            headers = [(POLICY_VERSION_HEADER, version.encode()), (REPLICA_HEADER, url.encode())]
+            name = self.replica_name(url)
+            meta = json.dumps({"policy_version": version, "replica": name}).encode()
+            headers = [(POLICY_VERSION_HEADER, version.encode()), (REPLICA_HEADER, name.encode())]
             tag = b',"flywheel":' + meta + b"}"
-            attempt = self._attempts[key] = _Attempt(url, version, self.replica_name(url), headers, tag)
+            attempt = self._attempts[key] = _Attempt(url, version, name, headers, tag)
         return attempt
 
     def why_unroutable(self) -> str:
-        """A readable account of why no replica takes requests."""
+        """A readable account of why no replica takes requests (replicas by id: clients read it)."""
         if not self.table_loaded:
             return f"the routing table was never read ({self.last_refresh_error or 'no refresh yet'})"
         if not self.table.replicas:
@@ -557,19 +573,20 @@ class Router:
         parts = []
         for row in self.table.replicas:
             health = self.health.get(row.url)
+            name = f"replica {self.replica_name(row.url)}"
             if row.state != "serving":
-                parts.append(f"{row.url} is {row.state}")
+                parts.append(f"{name} is {row.state}")
+            elif health is not None and health.ejected:  # also one that never passed a probe: say why
+                parts.append(f"{name} ejected ({redact(health.last_error or 'no error recorded', row.url, name)})")
             elif health is None or not health.probed:
-                parts.append(f"{row.url} not probed yet")
-            elif health.ejected:
-                parts.append(f"{row.url} ejected ({health.last_error})")
+                parts.append(f"{name} not probed yet")
             elif health.weight_version != row.policy_version and row.policy_version not in health.models[1:]:
                 parts.append(
-                    f"{row.url} reports weight version {health.weight_version!r} and no adapter of that name, "
+                    f"{name} reports weight version {health.weight_version!r} and no adapter of that name, "
                     f"its row says {row.policy_version!r}"
                 )
             else:
-                parts.append(f"{row.url} tried already")
+                parts.append(f"{name} tried already")
         return "; ".join(parts)
 
     # -- proxying ----------------------------------------------------------------------------
@@ -583,6 +600,7 @@ class Router:
         stream = payload.get("stream") is True
         tried: set[str] = set()
         last: UpstreamFailed | None = None
+        last_name = ""
         body: bytes | None = None
         for attempt_no in range(self.cfg.max_attempts):
             attempt = await self.pick(version, tried)
@@ -599,9 +617,12 @@ class Router:
                 await self._forward(attempt, path, body, stream, receive, send)
                 return
             except UpstreamFailed as err:
-                last = err
+                last, last_name = err, f"replica {attempt.name}"
                 log.info("router: attempt %d of a request to %s failed: %s", attempt_no + 1, version, err)
-        reason = f"{last.kind} from {last.url} ({last.detail})" if last else "no replica of it left to try"
+        if last is not None:
+            reason = f"{last.kind} from {last_name} ({redact(last.detail, last.url, last_name)})"
+        else:
+            reason = "no replica of it left to try"
         detail = f"policy version {version!r}: {reason}; tried {len(tried)} replica(s)"
         if last is None and not tried:
             detail += f"; {self.why_unroutable()}"
@@ -610,7 +631,11 @@ class Router:
     async def _forward(
         self, attempt: _Attempt, path: str, body: bytes, stream: bool, receive: Receive, send: Send
     ) -> None:
-        """One attempt; raises :class:`UpstreamFailed` only while nothing has been sent to the client."""
+        """One attempt; raises :class:`UpstreamFailed` only while nothing has been sent to the client.
+
+        The response goes to the client with the replica's id (``attempt.headers``, ``attempt.tag``),
+        never its URL.
+        """
         assert self.session is not None
         url = attempt.url
         self.outstanding[url] = self.outstanding.get(url, 0) + 1
@@ -713,8 +738,10 @@ class Router:
         return json.dumps({"object": "list", "data": data}).encode()
 
     def ready_body(self) -> tuple[int, bytes]:
-        """``/ready``: 200 with the routable replicas, else 503 with the reason."""
-        routable = {v: [r.url for r in views] for v, views in self.routes.by_version.items() if views}
+        """``/ready``: 200 with the routable replicas' ids by policy version, else 503 with the reason."""
+        routable = {
+            v: [self.replica_name(r.url) for r in views] for v, views in self.routes.by_version.items() if views
+        }
         if routable:
             return 200, json.dumps({"status": "ready", "routable": routable}).encode()
         return 503, json.dumps({"status": "not ready", "reason": self.why_unroutable()}).encode()
@@ -731,11 +758,37 @@ def splice_tag(data: bytes, tag: bytes) -> bytes:
     return head + tag
 
 
+_ADDRESS = re.compile(
+    r"\[[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*\](?::\d+)?"  # [IPv6]:port
+    r"|(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?![\w.])"  # IPv4[:port]
+    r"|\('[^'\n]*', \d+(?:, \d+)*\)"  # a socket address as Python prints it: ('host', port[, ...])
+)
+
+
+def redact(text: str, url: str, name: str) -> str:
+    """``text`` fit for a client: the replica's ``url``, host:port and host become ``name``, and any
+    other network address (an IP, a resolved socket address) ``<address>``.
+
+    Error details come from aiohttp (``Cannot connect to host vllm-0:8000 ssl:default [Connect
+    call failed ('10.0.0.5', 8000)]``) or from an upstream body; neither may tell a client where
+    the replicas are.
+    """
+    parts = urlsplit(url)
+    for known in (url, url.rstrip("/"), parts.netloc):
+        if known:
+            text = text.replace(known, name)
+    if parts.hostname:
+        text = re.sub(rf"(?<![\w.-]){re.escape(parts.hostname)}(?![\w-])", name, text)
+    return _ADDRESS.sub("<address>", text)
+
+
 def sse_error(attempt: _Attempt, err: BaseException) -> bytes:
     """An SSE ``error`` event (what the openai client raises as an APIError) ending a broken stream."""
-    message = (
-        f"the replica {attempt.url} serving policy version {attempt.version} failed mid-stream: "
-        f"{type(err).__name__}: {err}"
+    name = f"replica {attempt.name}"
+    message = redact(
+        f"the {name} serving policy version {attempt.version} failed mid-stream: {type(err).__name__}: {err}",
+        attempt.url,
+        name,
     )
     return (
         b"data: "

@@ -179,11 +179,13 @@ def test_flywheel_fleet_register_records_the_replica_and_the_base_as_stable(
     )  # fmt: skip
     assert (replicas[dead].state, replicas[dead].checkpoint_id) == ("failed", None)
     assert "did not answer" in replicas[dead].reason
+    assert f"replica {replicas[dead].id}  {dead}  registered  FAILED" in first.stdout  # the id clients see, for ops
 
     again = register(env, vllm_replica.url, "--json")  # idempotent: nothing new written
     assert again.returncode == 0, again.stderr
     shown = json.loads(again.stdout)
     assert shown["stable"]["id"] == stable.id and len(shown["replicas"]) == 2
+    assert {r["id"]: r["url"] for r in shown["replicas"]} == {r.id: u for u, r in replicas.items()}
     deployments, replicas_after, audit_after = rows(engine, fleet)
     assert [d.id for d in deployments] == [stable.id] and len(audit_after) == 1
     assert replicas_after[vllm_replica.url].updated_at == live.updated_at
@@ -240,8 +242,11 @@ def test_the_canary_controller_registers_a_replica_that_joins_late_and_the_route
                 return "never read" not in httpx.get(f"{router}/ready", timeout=5).text
 
             wait_for("the router reading the routing table", table_read, 30)
+            late_id = str(rows(engine, fleet)[1][late.url].id)  # clients know a replica by its id alone
             not_ready = httpx.get(f"{router}/ready", timeout=5)
-            assert not_ready.status_code == 503 and late.url in not_ready.json()["reason"], not_ready.text
+            reason = not_ready.json()["reason"]
+            assert not_ready.status_code == 503 and f"replica {late_id} is failed" in reason, not_ready.text
+            assert late.url not in reason and late.url.split("//")[1] not in reason, reason
 
             late.open()  # the replica joins
 
@@ -254,7 +259,8 @@ def test_the_canary_controller_registers_a_replica_that_joins_late_and_the_route
 
             def routed() -> bool:
                 answer = httpx.get(f"{router}/ready", timeout=5)
-                return answer.status_code == 200 and answer.json()["routable"].get(base) == [late.url]
+                now_id = str(rows(engine, fleet)[1][late.url].id)
+                return answer.status_code == 200 and answer.json()["routable"].get(base) == [now_id]
 
             wait_for("the router routing to the late replica", routed, 30, log)
         [stable], replicas, audit = rows(engine, fleet)

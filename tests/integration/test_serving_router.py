@@ -3,7 +3,8 @@
 The replicas serve the project's base model; the "canary" is the same weights under a
 second policy version (set through ``/update_weight_version``), which is all the router
 looks at. The replicas and deployments rows are written here directly. The router runs
-in-process (uvicorn in a thread) so the test can read its counters.
+in-process (uvicorn in a thread) so the test can read its counters. A client of the router
+knows a replica only by its id (``x-flywheel-replica``): ``Fleet.ids`` maps it to the URL.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
 from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
 from prometheus_client import generate_latest
-from sqlalchemy import Engine, delete, update
+from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.orm import Session
 
 from flywheel.core import vllm_admin
@@ -58,10 +60,17 @@ class Fleet:
     model_dir: Path
     key: str
     """A product key (rate limit out of the way: these tests load the router on purpose)."""
+    ids: dict[str, str] = field(default_factory=dict)
+    """Each replica's public id (its ``replicas`` row, as the router's clients see it) to its URL."""
 
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
+
+    def id_of(self, url: str) -> str:
+        """The public id of the replica at ``url`` (as ``configure`` last recorded it)."""
+        [replica_id] = [i for i, u in self.ids.items() if u == url]
+        return replica_id
 
 
 class RouterThread:
@@ -146,9 +155,10 @@ def configure(fleet: Fleet, versions: list[str], canary_weight: float | None, st
             state = states[i] if states else "serving"
             s.add(Replica(fleet=FLEET, url=url, state=state, policy_version=version, checkpoint_id=version))
         s.commit()
+        fleet.ids = {str(r.id): r.url for r in s.scalars(select(Replica).where(Replica.fleet == FLEET))}
 
 
-def router_settings(fleet: Fleet) -> Settings:
+def router_settings(fleet: Fleet, /, **serving_fields: Any) -> Settings:
     serving = fleet.settings.serving.model_copy(
         update={
             "fleet": FLEET,
@@ -156,6 +166,7 @@ def router_settings(fleet: Fleet) -> Settings:
             "health_interval_s": 0.3,
             "health_timeout_s": 2.0,
             "eject_after_failures": 2,
+            **serving_fields,
         }
     )
     return fleet.settings.model_copy(update={"serving": serving})
@@ -191,7 +202,7 @@ def test_openai_client_through_the_router(fleet: Fleet, stable_router: RouterThr
     raw = client.chat.completions.with_raw_response.create(model=fleet.base_version, messages=messages, max_tokens=8)
     chat = raw.parse()
     assert raw.headers["x-flywheel-policy-version"] == fleet.base_version
-    assert raw.headers["x-flywheel-replica"] in fleet.urls
+    assert raw.headers["x-flywheel-replica"] in fleet.ids  # the replica's id, not its URL
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
     assert chat.flywheel == {"policy_version": fleet.base_version, "replica": raw.headers["x-flywheel-replica"]}
 
@@ -204,7 +215,7 @@ def test_openai_client_through_the_router(fleet: Fleet, stable_router: RouterThr
         model=fleet.base_version, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}
     ) as response:
         assert response.headers["x-flywheel-policy-version"] == fleet.base_version
-        assert response.headers["x-flywheel-replica"] in fleet.urls
+        assert response.headers["x-flywheel-replica"] in fleet.ids
         chunks = list(response.parse())
     assert len(chunks) > 2 and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
@@ -219,11 +230,84 @@ def test_openai_client_through_the_router(fleet: Fleet, stable_router: RouterThr
     assert [m.id for m in models.data] == [fleet.base_version]
     assert httpx.get(f"{stable_router.url}/health").status_code == 200
     ready = httpx.get(f"{stable_router.url}/ready")
-    assert ready.status_code == 200 and set(ready.json()["routable"][fleet.base_version]) == set(fleet.urls)
+    assert ready.status_code == 200 and set(ready.json()["routable"][fleet.base_version]) == set(fleet.ids)
     assert httpx.get(f"{stable_router.url}/router/metrics").status_code == 404  # not on the public port
     metrics = generate_latest(stable_router.router.metrics.registry).decode()
     assert "flywheel_router_requests_total" in metrics and fleet.base_version in metrics
     assert not any(url in metrics for url in fleet.urls)  # replicas are named by id
+
+
+def url_leaks(text: str, urls: list[str]) -> list[str]:
+    """What of the replicas' addresses ``text`` gives away: a URL, a host:port, a host, a socket address."""
+    found = []
+    for url in urls:
+        parts = urlsplit(url)
+        found += [s for s in (url, parts.netloc, parts.hostname or "", f"', {parts.port}") if s and s in text]
+    return found
+
+
+def test_a_client_never_sees_a_replica_url(fleet: Fleet, stable_router: RouterThread) -> None:
+    """Headers, JSON and streamed bodies, ``/ready``, ``/v1/models`` and the 503 answers of a fleet
+    whose replicas time out or are down name replicas by id, never by their internal address."""
+    base, auth = fleet.base_version, fleet.auth
+    seen: list[str] = []
+
+    def record(response: httpx.Response) -> httpx.Response:
+        seen.append(" ".join(f"{k}: {v}" for k, v in response.headers.items()) + "\n" + response.text)
+        return response
+
+    chat_body = {"model": base, "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4}
+    chat = record(httpx.post(f"{stable_router.url}/v1/chat/completions", json=chat_body, headers=auth, timeout=60))
+    assert chat.status_code == 200 and chat.json()["flywheel"]["replica"] in fleet.ids
+    stream_body = {"model": base, "prompt": "1+1=", "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{stable_router.url}/v1/completions", json=stream_body, headers=auth,
+                      timeout=60) as streamed:  # fmt: skip
+        streamed.read()
+        record(streamed)
+    assert streamed.headers["x-flywheel-replica"] in fleet.ids and "data: [DONE]" in streamed.text
+    ready = record(httpx.get(f"{stable_router.url}/ready")).json()["routable"]
+    assert list(ready) == [base] and sorted(ready[base]) == sorted(fleet.ids)
+    assert record(httpx.get(f"{stable_router.url}/v1/models", headers=auth)).status_code == 200
+
+    # Every attempt times out (0.1 s for a 2 x 200-token answer): 503 naming the last replica tried, by id.
+    with RouterThread(router_settings(fleet, request_timeout_s=0.1), fleet.engine) as rt:
+        wait_for(lambda: routable_urls(rt.router) == set(fleet.urls), 20, "both replicas routable")
+        slow = {"model": base, "prompt": "1", "max_tokens": 200, "n": 2, "ignore_eos": True}
+        timed_out = record(httpx.post(f"{rt.url}/v1/completions", json=slow, headers=auth, timeout=60))
+    message = timed_out.json()["error"]["message"]
+    assert timed_out.status_code == 503 and "tried 2 replica(s)" in message, message
+    assert any(f"timeout from replica {i} (" in message for i in fleet.ids), message
+
+    # Replicas that are down (nothing listens at their URLs): 503 naming each by id and why, no address.
+    down_fleet = f"{FLEET}-down"
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with Session(fleet.engine) as s:
+        s.add(Deployment(fleet=down_fleet, checkpoint_id=base, role="stable", weight=1.0, status="active"))
+        rows = [
+            Replica(fleet=down_fleet, url=u, state="serving", policy_version=base, checkpoint_id=base) for u in dead
+        ]
+        s.add_all(rows)
+        s.commit()
+        dead_ids = [str(r.id) for r in rows]
+    try:
+        with RouterThread(router_settings(fleet, fleet=down_fleet), fleet.engine) as rt:
+            health = rt.router.health
+            wait_for(lambda: all(u in health and health[u].ejected for u in dead), 20, "the dead replicas ejected")
+            not_ready = record(httpx.get(f"{rt.url}/ready"))
+            down = record(httpx.post(f"{rt.url}/v1/completions", json={"model": base, "prompt": "1"}, headers=auth))
+            models = record(httpx.get(f"{rt.url}/v1/models", headers=auth))
+    finally:
+        with Session(fleet.engine) as s:
+            s.execute(delete(Replica).where(Replica.fleet == down_fleet))
+            s.execute(delete(Deployment).where(Deployment.fleet == down_fleet))
+            s.commit()
+    assert not_ready.status_code == 503 and down.status_code == 503 and models.json()["data"] == []
+    for i in dead_ids:  # which replica, and what happened (the connection refused), for ops
+        assert f"replica {i} ejected (ClientConnectorError" in not_ready.json()["reason"], not_ready.text
+        assert f"replica {i} ejected (ClientConnectorError" in down.json()["error"]["message"], down.text
+
+    leaks = {text: url_leaks(text, fleet.urls + dead) for text in seen}
+    assert not {text: found for text, found in leaks.items() if found}
 
 
 @pytest.mark.parametrize(
@@ -286,7 +370,7 @@ def test_sessions_stay_on_one_version_at_half_canary(fleet: Fleet) -> None:
     assert all(len(pairs) == 1 for pairs in seen.values()), {s: p for s, p in seen.items() if len(p) > 1}
     versions = Counter(next(iter(p))[0] for p in seen.values())
     assert set(versions) == {fleet.base_version, CANARY} and min(versions.values()) >= 8, versions
-    expected = {fleet.base_version: fleet.urls[0], CANARY: fleet.urls[1]}
+    expected = {fleet.base_version: fleet.id_of(fleet.urls[0]), CANARY: fleet.id_of(fleet.urls[1])}
     assert all(expected[v] == r for pairs in seen.values() for v, r in pairs)
 
 
@@ -304,7 +388,7 @@ def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
             )
             assert r.status_code == 200
             replicas[r.headers["x-flywheel-replica"]] += 1
-        assert replicas == {fleet.urls[0]: 20}
+        assert replicas == {fleet.id_of(fleet.urls[0]): 20}
         with Session(fleet.engine) as s:  # the swap is done: it serves again
             s.execute(update(Replica).where(Replica.url == fleet.urls[1]).values(state="serving"))
             s.commit()
@@ -312,7 +396,7 @@ def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
 
 
 def open_stream(router_url: str, model: str, key: str) -> tuple[Any, str, Iterator[Any]]:
-    """A long text stream (32 x 240 tokens) through the router, after its first chunk: (context, replica, rest).
+    """A long text stream (32 x 240 tokens) through the router, after its first chunk: (context, replica id, rest).
 
     Long enough to be still generating when the test kills its replica: with 8 x 240 tokens a
     fast machine had finished one (and the router buffered it whole) before the kill landed.
@@ -383,7 +467,7 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         streams = []
         killed = False
         try:
-            wait_for(lambda: {r for _, _, r in results} == set(fleet.urls), 60, "load on both replicas")
+            wait_for(lambda: {r for _, _, r in results} == set(fleet.ids), 60, "load on both replicas")
             # Long streams that have started (first chunk read): the first one's replica survives;
             # the first one landing elsewhere (least outstanding) is the one the kill breaks.
             streams.append(open_stream(rt.url, fleet.base_version, fleet.key))
@@ -398,26 +482,29 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
                 assert victim != survivor, "every stream went to the same replica"
                 # Frozen first, and the kill only once the stream is seen stalled (still generating): a fast
                 # machine generated, sent and buffered a whole 32 x 240-token stream before the kill landed.
-                vllm_admin.pause(victim, mode="keep")
+                vllm_admin.pause(fleet.ids[victim], mode="keep")
                 reader = StreamReader(streams[-1][2])
                 if reader.stalled(quiet_s=2.0, timeout_s=60):
                     break
-                vllm_admin.resume(victim)  # it had finished before the pause: another stream
+                vllm_admin.resume(fleet.ids[victim])  # it had finished before the pause: another stream
             else:
                 pytest.fail("five streams to one replica each finished before the replica was paused")
             assert victim is not None and reader is not None
-            pid = load_state(fleet.settings).components[f"vllm-{fleet.urls.index(victim)}"].pid
+            victim_url = fleet.ids[victim]
+            pid = load_state(fleet.settings).components[f"vllm-{fleet.urls.index(victim_url)}"].pid
             os.killpg(pid, signal.SIGKILL)
             killed = True
             killed_at = time.monotonic()
             assert reader.done.wait(60), "the broken stream did not end"
             # started, so the router ends it with an error event (an APIError), not silence
             assert isinstance(reader.error, openai.APIError), repr(reader.error)
-            assert "failed mid-stream" in str(reader.error), str(reader.error)
+            message = str(reader.error)
+            assert "failed mid-stream" in message and f"replica {victim} serving" in message, message
+            assert not any(u in message or urlsplit(u).netloc in message for u in fleet.urls)  # by id only
             for _, replica, chunks in streams[:-1]:
                 if replica == survivor:
                     assert len(list(chunks)) > 10
-            wait_for(lambda: rt.router.health[victim].ejected, 20, "the killed replica ejected")
+            wait_for(lambda: rt.router.health[victim_url].ejected, 20, "the killed replica ejected")
             time.sleep(2.0)
         finally:
             stop.set()
@@ -432,10 +519,10 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
         fault_figures(unit="requests", sent=len(results), stored=ok, distinct=ok)
         assert all(s == 200 for _, s, _ in results), Counter(s for _, s, _ in results)
         assert after and all(r == survivor for _, r in after)
-        assert rt.router.metrics.ejections.labels(rt.router.replica_name(victim))._value.get() >= 1
+        assert rt.router.metrics.ejections.labels(victim)._value.get() >= 1
 
-        warm(victim, fleet.base_version)
-        wait_for(lambda: victim in routable_urls(rt.router), 30, "the restarted replica back in rotation")
+        warm(victim_url, fleet.base_version)
+        wait_for(lambda: victim_url in routable_urls(rt.router), 30, "the restarted replica back in rotation")
         served = Counter(
             httpx.post(
                 f"{rt.url}/v1/completions",
@@ -445,7 +532,7 @@ def test_a_killed_replica_is_ejected_its_requests_retried_and_it_rejoins(fleet: 
             ).headers["x-flywheel-replica"]  # fmt: skip
             for _ in range(30)
         )
-        assert served[victim] > 0 and rt.router.metrics.rejoins.labels(rt.router.replica_name(victim))._value.get() >= 1
+        assert served[victim] > 0 and rt.router.metrics.rejoins.labels(victim)._value.get() >= 1
 
 
 def _router_process(fleet: Fleet, port: int, log_path: Path) -> subprocess.Popen[bytes]:

@@ -38,7 +38,7 @@ def test_the_request_samples_as_the_issue_says_and_asks_in_one_user_turn() -> No
 
 def test_the_served_version_is_read_from_the_routers_body_member() -> None:
     class Response:
-        flywheel = {"policy_version": "c000003-abcdef12", "replica": "http://127.0.0.1:1"}
+        flywheel = {"policy_version": "c000003-abcdef12", "replica": "3"}
 
     assert served_version(Response()) == "c000003-abcdef12"
     assert served_version(object()) is None

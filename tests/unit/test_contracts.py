@@ -313,3 +313,19 @@ def test_the_fast_path_decides_exactly_as_the_careful_one(text, name, value):
     if expected == "not JSON":
         return
     assert _either(mutated) == expected
+
+
+@pytest.mark.parametrize("served_by", ["3", "http://10.0.0.5:8000"])
+def test_served_by_takes_a_replica_id_and_still_an_old_url(served_by):
+    """The router names a replica by its id now; completions stored while it named the URL still parse."""
+    record = {
+        "schema_version": 1,
+        "event_id": str(uuid7()),
+        **ENV,
+        "type": "completion",
+        "model": "base",
+        "policy_version": "base-1234",
+        "completion_text": "x",
+        "served_by": served_by,
+    }
+    assert parse_event(json.dumps(record).encode()).served_by == served_by

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from serving.proxy.router import splice_tag
+from serving.proxy.router import redact, splice_tag, sse_error
 from serving.proxy.routing import (
     DeploymentEntry,
     ReplicaHealth,
@@ -207,6 +207,62 @@ def test_splice_tag_keeps_the_body_valid_json() -> None:
     assert body == {"id": "x", "choices": [], "flywheel": {"policy_version": "v1", "replica": "r"}}
     assert json.loads(splice_tag(b"{ }", tag)) == {"flywheel": {"policy_version": "v1", "replica": "r"}}
     assert splice_tag(b"[1]", tag) == b"[1]"
+
+
+def test_redact_keeps_replica_addresses_from_clients() -> None:
+    refused = "Cannot connect to host 10.0.0.5:8000 ssl:default [Connect call failed ('10.0.0.5', 8000)]"
+    assert redact(refused, "http://10.0.0.5:8000", "replica 4") == (
+        "Cannot connect to host replica 4 ssl:default [Connect call failed <address>]"
+    )
+    by_name = "Cannot connect to host vllm-0:8000 ssl:default [Connect call failed ('172.18.0.5', 8000)]"
+    assert redact(by_name, "http://vllm-0:8000", "replica 4") == (
+        "Cannot connect to host replica 4 ssl:default [Connect call failed <address>]"
+    )
+    v6 = "Cannot connect to host [::1]:8000 ssl:default [Connect call failed ('::1', 8000, 0, 0)]"
+    assert redact(v6, "http://[::1]:8000", "replica 4") == (
+        "Cannot connect to host replica 4 ssl:default [Connect call failed <address>]"
+    )
+    untouched = "HTTP 500: choices[0] failed [Errno 111]; vllm-base is not vllm"
+    assert redact(untouched, "http://vllm:8000", "replica 4") == (
+        "HTTP 500: choices[0] failed [Errno 111]; vllm-base is not replica 4"
+    )
+
+
+def test_clients_see_replica_ids_never_urls() -> None:
+    """Headers, the body tag, ``/ready``, the unroutable reason and a stream's error event name ids."""
+    import aiohttp
+
+    from flywheel.core.settings import Settings
+    from serving.proxy.router import Router
+
+    up, down = "http://vllm-0:8000", "http://10.1.2.3:8001"
+    router = Router(Settings())
+    router.table_loaded = True
+    rows = (ReplicaRow(up, "serving", "v1", 7), ReplicaRow(down, "serving", "v1", 8))
+    router.apply_table(RoutingTable({"stable": DeploymentEntry("stable", "v1", 1.0, 1)}, rows))
+    router.health[up].probe_ok("v1", ["v1"])
+    for _ in range(router.cfg.eject_after_failures):
+        router.health[down].failure(
+            "ClientConnectorError: Cannot connect to host 10.1.2.3:8001 ssl:default "
+            "[Connect call failed ('10.1.2.3', 8001)]"
+        )
+    router.rebuild()
+
+    status, body = router.ready_body()
+    assert status == 200 and json.loads(body) == {"status": "ready", "routable": {"v1": ["7"]}}
+    attempt = router._attempt(up, "v1")
+    assert attempt.headers == [(b"x-flywheel-policy-version", b"v1"), (b"x-flywheel-replica", b"7")]
+    assert json.loads(splice_tag(b"{}", attempt.tag)) == {"flywheel": {"policy_version": "v1", "replica": "7"}}
+    why = router.why_unroutable()
+    assert why == (
+        "replica 7 tried already; replica 8 ejected (ClientConnectorError: Cannot connect to host replica 8 "
+        "ssl:default [Connect call failed <address>])"
+    )
+    event = sse_error(attempt, aiohttp.ServerDisconnectedError(f"{up} went away"))
+    message = json.loads(event.removeprefix(b"data: "))["error"]["message"]
+    assert message == (
+        "the replica 7 serving policy version v1 failed mid-stream: ServerDisconnectedError: replica 7 went away"
+    )
 
 
 async def test_the_app_answers_only_its_allow_list_with_reasons() -> None:

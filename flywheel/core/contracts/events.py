@@ -324,7 +324,8 @@ class Completion(EventBase):
     latency_ms: float = Field(0.0, ge=0, le=86_400_000)
     """Wall time of the request as the client saw it."""
     served_by: Annotated[str, StringConstraints(max_length=256)] | None = None
-    """Replica that served it, when the router says."""
+    """Replica that served it, when the router says (``x-flywheel-replica``): its public id, e.g. ``"3"``.
+    Events recorded before the router stopped naming replicas by URL carry the URL; both validate."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Completion:

@@ -8,4 +8,5 @@ SESSION_ID = "x-flywheel-session-id"
 POLICY_VERSION = "x-flywheel-policy-version"
 """Response header of the router: the policy version that produced the response."""
 REPLICA = "x-flywheel-replica"
-"""Response header of the router: the replica (its URL) that served the request."""
+"""Response header of the router: the replica that served the request, by its public id (its id
+in the fleet's ``replicas`` table, as the router's metrics label it); never its internal URL."""
