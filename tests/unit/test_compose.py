@@ -88,6 +88,10 @@ def test_canary_controller_is_private():
 @pytest.mark.parametrize("name", sorted(OURS))
 def test_command_names_a_real_entry_point(name):
     argv = OURS[name]["command"]
+    if argv[:2] == ["python", "-m"]:  # a launcher module (the vLLM replicas): it imports and parses the rest
+        module = importlib.import_module(argv[2])
+        assert callable(module.main) and module.parse(list(argv[3:])) is not None, name
+        return
     assert argv[0] in SCRIPTS, f"{name}: {argv[0]!r} is not a [project.scripts] entry point"
     cmd = _click_command(argv[0])
     rest = list(argv[1:])
@@ -139,14 +143,33 @@ def test_internal_services_are_private(name):
     assert COMPOSE["networks"]["backend"].get("internal") is True
 
 
-def test_vllm_fleet_has_two_gpu_replicas_with_dev_endpoints_enabled():
+def test_vllm_fleet_has_two_gpu_replicas_started_as_the_local_stack_starts_them():
+    """Each replica runs Flywheel's launcher, whose argv and environment are the local stack's: the served
+    model name, dtype, processed logprobs, the worker extension that hot swaps call, the dev endpoints."""
+    from flywheel.core.settings import Settings
+    from flywheel.core.vllm_worker import WORKER_EXTENSION
+    from flywheel.stack import replica
+    from flywheel.stack.vllm import server_argv, server_env
+
     fleet = [n for n in SERVICES if n.startswith("vllm-")]
     assert len(fleet) == 2
-    for name in fleet:
+    for index, name in enumerate(sorted(fleet)):
         svc = SERVICES[name]
-        assert svc["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+        command = svc["command"]
+        assert command[:3] == ["python", "-m", "flywheel.stack.replica"], command
+        args = replica.parse(command[3:])
+        assert (args.index, args.port, args.gate) == (index, 8000, False)
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in d["capabilities"] for d in devices)
+        assert "ready" in str(svc["healthcheck"]["test"])  # healthy once the initial weight version is set
+    gate = replica.parse(SERVICES["gate-vllm"]["command"][3:])
+    assert gate.gate and gate.index == 2
+    vs = Settings().vllm
+    argv = server_argv(Path("/models/base"), "base-v0", "0.0.0.0", 8000, vs, lora=False)
+    for flag in ("--served-model-name", "--dtype", "--max-model-len", "--logprobs-mode", "--generation-config"):
+        assert flag in argv
+    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert server_env(vs, 0, lora=False)["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -156,5 +179,5 @@ def test_every_image_is_a_variable_defaulting_to_the_production_image(name):
         "kafka": "apache/kafka:",
         "postgres": "postgres:",
         "redis": "redis:",
-    }.get(name, "vllm/vllm-openai:" if "vllm" in name else "flywheel:")
+    }.get(name, "flywheel:")  # the vLLM replicas too: the services image holds vLLM and the worker extension
     assert image_default(svc).startswith(production), f"{name}: {svc['image']}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -9,6 +10,7 @@ import yaml
 from flywheel.core.settings import Settings
 from flywheel.stack.gate import GateReplica
 from flywheel.stack.stack import KINDS, _plan, parse_components
+from flywheel.stack.vllm import server_argv, server_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,9 +53,16 @@ def test_compose_runs_a_private_gate_replica_that_the_trainer_is_told_of():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     gate = services["gate-vllm"]
-    assert gate["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
-    assert gate["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-    assert "--enable-lora" in gate["command"] and "ports" not in gate and gate["networks"] == ["backend"]
+    assert gate["command"][:3] == ["python", "-m", "flywheel.stack.replica"] and "--gate" in gate["command"]
+    assert "ports" not in gate and gate["networks"] == ["backend"]
+    # Its launcher's settings (the environment's defaults) load adapters, as the gate needs in lora mode.
+    env = {k: re.sub(r"^\$\{[A-Z_]+:-(.*)\}$", r"\1", str(v)) for k, v in gate["environment"].items()}
+    settings = Settings(vllm={"enable_lora": env["FLYWHEEL_VLLM__ENABLE_LORA"], "dtype": env["FLYWHEEL_VLLM__DTYPE"]})
+    replica = GateReplica(settings, Path("/models/base"))
+    assert replica.lora
+    argv = server_argv(Path("/models/base"), "base", "0.0.0.0", 8000, settings.vllm, replica.lora)
+    assert "--enable-lora" in argv and argv[argv.index("--dtype") + 1] == "auto"
+    assert server_env(settings.vllm, 2, replica.lora)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     worker = services["trainer-worker"]
     assert worker["environment"]["FLYWHEEL_TRAINER__GATE__ENGINE_URL"] == "http://gate-vllm:8000"
     assert worker["depends_on"]["gate-vllm"]["condition"] == "service_healthy"
