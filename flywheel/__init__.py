@@ -14,8 +14,9 @@ if TYPE_CHECKING:  # re-exported (redundant aliases): the names __getattr__ reso
     from flywheel.sdk import AsyncSession as AsyncSession
     from flywheel.sdk import Flywheel as Flywheel
     from flywheel.sdk import Session as Session
+    from flywheel.sdk import observe as observe
 
-_SDK_EXPORTS = frozenset({"Flywheel", "Session", "AsyncSession"})
+_SDK_EXPORTS = frozenset({"Flywheel", "Session", "AsyncSession", "observe"})
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """The Flywheel SDK: log an agent product's sessions for continual learning.
 
 ```python
-from flywheel import Flywheel
+from flywheel import Flywheel, observe
 
 fw = Flywheel(project="my-agent")            # or FLYWHEEL_PROJECT, FLYWHEEL_WRITE_KEY, ...
 client = fw.wrap_openai(openai.OpenAI(...))   # every completion inside a session is logged
@@ -11,6 +11,9 @@ with fw.session(user_id="u-42") as s:
     s.tool_result(call_id, "3 passed")
 fw.feedback(s.session_id, "accept")           # also hours later, from another process
 fw.outcome(s.session_id, "tests_passed", True)
+
+@observe(session_id_arg="conversation_id", client=fw)   # a session per call, or a span inside one
+async def handle(conversation_id: str, text: str) -> str: ...
 ```
 
 Logging calls only enqueue; a background thread validates, redacts, serializes and sends
@@ -30,6 +33,7 @@ from flywheel.sdk.client import (
     current_session,
     is_sampled,
 )
+from flywheel.sdk.decorators import observe, set_default_client
 from flywheel.sdk.redact import Redactor
 from flywheel.sdk.sender import SdkStats
 
@@ -44,4 +48,6 @@ __all__ = [
     "current_scope",
     "current_session",
     "is_sampled",
+    "observe",
+    "set_default_client",
 ]

@@ -4,12 +4,14 @@
    the spool fills; the broker comes back (a fresh Tansu on the same port, memory
    storage, so it starts empty) and after ``flush()`` a consumer reads exactly those
    10,000 events, once each, every session's events in the order they were logged.
-2. The OpenAI wrapper logs real completions of the project's model served by vLLM, with
+2. ``@observe`` on async functions: a session and its spans reach the broker.
+3. The OpenAI wrapper logs real completions of the project's model served by vLLM, with
    token ids, sampling logprobs and the policy version, straight through Kafka.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -26,7 +28,7 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from flywheel.core.contracts import Completion, parse_event
 from flywheel.core.contracts.topics import events_topic
-from flywheel.sdk import Flywheel
+from flywheel.sdk import Flywheel, current_scope, observe
 from flywheel.stack.base import port_open
 from flywheel.stack.broker import tansu_binary
 
@@ -254,6 +256,44 @@ def test_an_event_too_large_for_kafka_is_counted_invalid_and_the_rest_delivered(
         fw.close(5)
     events = [parse_event(r.value) for r in read_all(tansu.bootstrap, 4, timeout_s=20)]
     assert [e.type.value for e in events] == ["session_start", "turn", "turn", "session_end"]
+
+
+async def test_observed_async_functions_reach_the_broker_as_a_session_and_spans(tansu: Tansu, tmp_path: Path) -> None:
+    tansu.start()
+    fw = Flywheel(project="sdk-observe", kafka_bootstrap=tansu.bootstrap, spool_dir=tmp_path / "spool")
+
+    @observe(role="searcher", client=fw)
+    async def search(query: str) -> str:
+        await asyncio.sleep(0)
+        current_scope().tool_call("search", {"q": query}, id="call-1")  # type: ignore[union-attr]
+        return "3 results"
+
+    @observe(session_id_arg="conversation_id", name="support-bot", client=fw)
+    async def handle(conversation_id: str, text: str) -> str:
+        return await search(text)
+
+    try:
+        assert await handle("conv-observe-1", "refund policy") == "3 results"
+        with pytest.raises(RuntimeError, match="model down"):
+            await observe(session_id_arg="conversation_id", client=fw)(_failing_handler)("conv-observe-2")
+        assert await fw.aflush(30), fw.stats
+    finally:
+        await fw.aclose(5)
+    events = [parse_event(r.value) for r in read_all(tansu.bootstrap, 8, timeout_s=20)]
+    ok = [e for e in events if e.session_id == "conv-observe-1"]
+    assert [e.type.value for e in ok] == ["session_start", "span_start", "turn", "span_end", "session_end"]
+    start, span_start, turn, span_end, end = ok
+    assert start.agent == "support-bot" and end.status == "completed"
+    assert (span_start.parent_span_id, span_start.role) == ("root", "searcher")
+    assert (turn.span.span_id, turn.span.role, turn.tool_calls[0].name) == (span_start.span_id, "searcher", "search")
+    assert (span_end.span_id, span_end.status) == (span_start.span_id, "completed")
+    failed = [e for e in events if e.session_id == "conv-observe-2"]
+    assert [e.type.value for e in failed] == ["session_start", "session_end"]
+    assert failed[-1].status == "failed" and failed[-1].error == "RuntimeError: model down"
+
+
+async def _failing_handler(conversation_id: str) -> None:
+    raise RuntimeError("model down")
 
 
 @pytest.mark.vllm
