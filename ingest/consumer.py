@@ -38,7 +38,14 @@ from kafka.structs import OffsetAndMetadata
 from pydantic_core import from_json
 
 from flywheel.core import kafka_clients
-from flywheel.core.contracts.events import ContractError, Event, Feedback, parse_event, parse_event_fast
+from flywheel.core.contracts.events import (
+    ContractError,
+    Event,
+    Feedback,
+    parse_event,
+    parse_event_fast,
+    unknown_fields,
+)
 from flywheel.core.contracts.ids import uuid7_time_ms
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
 from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
@@ -472,6 +479,11 @@ class IngestConsumer:
                 "dead letter %s[%d]@%d: %s%s", row.topic, row.partition, row.offset,
                 f"{row.field}: " if row.field else "", row.reason,
             )  # fmt: skip
+        for event_row in batch.events:
+            unknown = unknown_fields(event_row.event)
+            if unknown:  # a newer SDK's fields: stored in raw_events as they came (docs/contracts.md)
+                metrics.UNKNOWN_FIELDS.labels(stage="consumer").inc()
+                log.debug("event %s has fields this reader does not know: %s", event_row.event_id, unknown)
 
     def publish_dead_letters(self, rows: Sequence[DeadLetterRow]) -> None:
         """Produce dead letters to the DLQ topic and wait for the broker's acks, retrying until it answers."""

@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field
 
 from flywheel.core import kafka_clients
 from flywheel.core.auth import KeyInfo, bearer_token, find_key, hash_token
-from flywheel.core.contracts.events import ContractError, EventBase, dump_event, parse_event
+from flywheel.core.contracts.events import ContractError, EventBase, dump_event, parse_event, unknown_fields
 from flywheel.core.contracts.topics import events_topic
 from flywheel.core.db.engine import session_factory
 from flywheel.core.endpoints import kafka_bootstrap, postgres_url
@@ -409,3 +409,8 @@ def _count(key: KeyInfo, verdict: BatchVerdict) -> None:
         metrics.GATEWAY_REJECTED.labels(kind="project").inc(verdict.foreign)
     if len(verdict.rejected) > verdict.foreign:
         metrics.GATEWAY_REJECTED.labels(kind="contract").inc(len(verdict.rejected) - verdict.foreign)
+    for event in verdict.accepted:
+        unknown = unknown_fields(event)
+        if unknown:  # a newer SDK's fields: forwarded as they came (docs/contracts.md)
+            metrics.UNKNOWN_FIELDS.labels(stage="gateway").inc()
+            log.debug("event %s (%s) has fields this reader does not know: %s", event.event_id, key.project, unknown)

@@ -93,7 +93,15 @@ class SampleMeta:
 
 GREEDY_BELOW = 1e-5
 """vLLM samples greedily below this temperature (``_SAMPLING_EPS``)."""
-EXCLUSION_REASONS = ("greedy", "penalty", "logit_bias", "min_tokens", "constrained", "invalid_sampling")
+EXCLUSION_REASONS = (
+    "greedy",
+    "penalty",
+    "logit_bias",
+    "min_tokens",
+    "constrained",
+    "unknown_sampling",
+    "invalid_sampling",
+)
 """Why a row's sampling cannot be reproduced by the trainer (``selection`` counts ``sampling_<reason>``)."""
 
 
@@ -183,7 +191,8 @@ def sampling_exclusion(sampling: Mapping[str, Any] | SamplingParams | None) -> s
     (temperature below 1e-5; the behaviour probability of every token was 1, and vLLM records
     the plain softmax for it), presence / frequency / repetition penalties (they depend on the
     tokens generated so far), a logit bias, ``min_tokens`` (stop tokens masked early) and the
-    request options in ``constraints`` (allowed tokens, structured outputs, ...). One of
+    request options in ``constraints`` (allowed tokens, structured outputs, ...), nor a parameter
+    this code does not know (a newer SDK's, kept by the event reader). One of
     :data:`EXCLUSION_REASONS`.
     """
     if sampling is None:
@@ -194,9 +203,11 @@ def sampling_exclusion(sampling: Mapping[str, Any] | SamplingParams | None) -> s
         if not sampling:
             return None
         try:
-            sampling = SamplingParams.model_validate(sampling)
+            sampling = SamplingParams.model_validate(sampling, extra="allow")
         except ValidationError:
             return "invalid_sampling"
+    if sampling.model_extra:  # a newer SDK's parameter: it may have shaped the distribution
+        return "unknown_sampling"
     if sampling.temperature is not None and sampling.temperature < GREEDY_BELOW:
         return "greedy"
     if (

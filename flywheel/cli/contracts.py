@@ -29,18 +29,26 @@ def export(path: Path = typer.Option(SCHEMA_PATH, help="Where to write the schem
 
 @app.command("validate")
 def validate(file: Path = typer.Argument(..., help="A JSON file with one event, or a JSON-lines file.")) -> None:
-    """Validate events from a file; exit 1 naming the field of the first bad one."""
-    from flywheel.core.contracts import ContractError, parse_event
+    """Validate events from a file; exit 1 naming the field of the first bad one.
+
+    A field the contract does not declare is accepted, as every reader accepts it, and named
+    on stderr (a typo in a producer shows here).
+    """
+    from flywheel.core.contracts import ContractError, parse_event, unknown_fields
 
     bad = 0
     for n, line in enumerate(file.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            parse_event(line)
+            event = parse_event(line)
         except ContractError as exc:
             bad += 1
             typer.echo(f"{file}:{n}: {exc}", err=True)
+            continue
+        unknown = unknown_fields(event)
+        if unknown:
+            typer.echo(f"{file}:{n}: fields not in the contract (accepted, kept): {', '.join(unknown)}", err=True)
     if bad:
         raise typer.Exit(1)
     typer.echo("all events valid")

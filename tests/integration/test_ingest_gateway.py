@@ -21,7 +21,17 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from typer.testing import CliRunner
 
 from flywheel.core.auth import create_key, revoke_key
-from flywheel.core.contracts import Feedback, Message, Turn, dump_event, parse_event, uuid7
+from flywheel.core.contracts import (
+    Completion,
+    Feedback,
+    Message,
+    ToolCall,
+    Turn,
+    dump_event,
+    parse_event,
+    unknown_fields,
+    uuid7,
+)
 from flywheel.core.contracts.topics import events_topic
 from flywheel.core.db.engine import session_factory
 from flywheel.core.db.migrate import upgrade
@@ -104,18 +114,23 @@ def turn(project: str, session_id: str = "s1", content: str = "hi") -> dict:
 
 def on_topic(gw: Gateway, ids: set[str], timeout_s: float = 30.0) -> dict[str, bytes]:
     """event id → record key of the given events as found on the events topic."""
+    return {event_id: key for event_id, (key, _) in records_on_topic(gw, ids, timeout_s).items()}
+
+
+def records_on_topic(gw: Gateway, ids: set[str], timeout_s: float = 30.0) -> dict[str, tuple[bytes, bytes]]:
+    """event id → (record key, record value) of the given events as found on the events topic."""
     topic = events_topic(gw.settings.kafka.topic_prefix)
     consumer = KafkaConsumer(bootstrap_servers=gw.settings.kafka.bootstrap_servers, enable_auto_commit=False)
     try:
         partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
         consumer.assign(partitions)
         consumer.seek_to_beginning(*partitions)
-        found: dict[str, bytes] = {}
+        found: dict[str, tuple[bytes, bytes]] = {}
         deadline = time.monotonic() + timeout_s
         while not ids <= set(found) and time.monotonic() < deadline:
             for records in consumer.poll(timeout_ms=500).values():
                 for r in records:
-                    found[str(parse_event(r.value).event_id)] = r.key
+                    found[str(parse_event(r.value).event_id)] = (r.key, r.value)
         return found
     finally:
         consumer.close()
@@ -167,6 +182,59 @@ def test_a_mixed_batch_is_422_naming_each_bad_event_while_the_good_ones_are_acce
     found = on_topic(gateway, set(body["accepted"]))
     assert set(body["accepted"]) <= set(found)
     assert bad_role["event_id"] not in found and foreign["event_id"] not in found
+
+
+def test_unknown_fields_of_a_newer_sdk_are_202_and_forwarded_with_the_fields(gateway, caplog):
+    """Forward compatibility (docs/contracts.md): unknown fields, top level or nested, are accepted and kept."""
+    completion = Completion(
+        project=gateway.project,
+        session_id="fc",
+        model="m",
+        policy_version="v1",
+        prompt_messages=[Message(role="user", content="2+2?")],
+        completion_text="4",
+        tool_calls=[ToolCall(id="c1", name="calc")],
+    )
+    newer = json.loads(dump_event(completion))
+    newer["trace_id"] = "abc"
+    newer["prompt_messages"][0]["audio"] = {"id": "a1"}
+    newer["tool_calls"][0]["index"] = 0
+    newer["sampling"]["typical_p"] = 0.9
+    newer["span"]["depth"] = 1
+    also = turn(gateway.project, "fc")
+    also["messages"][0]["annotations"] = [{"kind": "pii", "start": 0}]
+    bad = json.loads(json.dumps(newer))  # the same newer event with a known field's value wrong
+    bad["event_id"], bad["sampling"]["temperature"] = str(uuid7()), "hot"
+    counted = unknown_counted(gateway)
+    with caplog.at_level("DEBUG", logger="ingest.gateway"):
+        ok = gateway.post({"events": [newer, also]})
+    assert ok.status_code == 202, ok.text
+    assert ok.json() == {"accepted": [newer["event_id"], also["event_id"]], "rejected": []}
+    assert any("trace_id" in r.getMessage() and "sampling.typical_p" in r.getMessage() for r in caplog.records)
+    refused = gateway.post({"events": [bad]})
+    assert refused.status_code == 422, refused.text
+    [rejected] = refused.json()["rejected"]
+    assert rejected["field"] == "sampling.temperature" and "valid number" in rejected["reason"]
+    found = records_on_topic(gateway, {newer["event_id"], also["event_id"]})
+    key, value = found[newer["event_id"]]
+    assert key == b"fc" and json.loads(value) == newer  # forwarded with every field it came with
+    assert unknown_fields(parse_event(value)) == [
+        "trace_id",
+        "span.depth",
+        "prompt_messages.0.audio",
+        "tool_calls.0.index",
+        "sampling.typical_p",
+    ]
+    assert json.loads(found[also["event_id"]][1])["messages"][0]["annotations"] == [{"kind": "pii", "start": 0}]
+    assert unknown_counted(gateway) == counted + 2  # both accepted events, not the refused one
+
+
+def unknown_counted(gw: Gateway) -> float:
+    """The gateway's flywheel_ingest_unknown_fields_total{stage="gateway"} (0 before its first count)."""
+    _, ops = _key(gw.pg_url, gw.project, role="viewer")
+    metrics = httpx.get(f"{gw.url}/metrics", headers={"Authorization": f"Bearer {ops}"}).text
+    prefix = 'flywheel_ingest_unknown_fields_total{stage="gateway"} '
+    return next((float(line[len(prefix) :]) for line in metrics.splitlines() if line.startswith(prefix)), 0.0)
 
 
 def test_only_foreign_events_is_403(gateway):

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from flywheel.core.contracts.events import SamplingParams
+from flywheel.core.contracts.events import SamplingParams, parse_event
 from flywheel.core.settings.trainer import StepSettings
 from trainer.select import SampleMeta, SelectionRules, choose, sampling_exclusion
 from trainer.step import (
@@ -177,6 +177,12 @@ def test_token_sampling_from_the_recorded_params_and_through_json():
         TokenSampling(0.0)
 
 
+def parse_event_sampling(sampling: dict) -> SamplingParams:
+    """The ``sampling`` of a completion as the event reader keeps it (unknown fields included)."""
+    record = {"schema_version": 1, "type": "completion", "project": "p", "session_id": "s"}
+    return parse_event({**record, "model": "m", "policy_version": "v", "sampling": sampling}).sampling
+
+
 @pytest.mark.parametrize(
     ("sampling", "reason"),
     [
@@ -191,6 +197,13 @@ def test_token_sampling_from_the_recorded_params_and_through_json():
         ({"logit_bias": {"12": 3.0}}, "logit_bias"),
         ({"min_tokens": 4}, "min_tokens"),
         ({"constraints": ["structured_outputs"]}, "constrained"),
+        ({"temperature": 0.7, "typical_p": 0.9}, "unknown_sampling"),  # a newer SDK's parameter
+        (parse_event_sampling({"temperature": 0.7, "typical_p": 0.9}), "unknown_sampling"),
+        (  # what rewarding stores in training_samples.sampling
+            parse_event_sampling({"typical_p": 0.9}).model_dump(mode="json", exclude_defaults=True),
+            "unknown_sampling",
+        ),
+        ({"temperature": "hot", "typical_p": 0.9}, "invalid_sampling"),
         ({"temperature": "hot"}, "invalid_sampling"),
         ([1, 2], "invalid_sampling"),
         (SamplingParams(temperature=0.0), "greedy"),

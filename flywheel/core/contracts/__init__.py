@@ -25,6 +25,7 @@ from flywheel.core.contracts.events import (
     dump_event,
     event_json_schema,
     parse_event,
+    unknown_fields,
 )
 from flywheel.core.contracts.ids import uuid7
 
@@ -53,5 +54,6 @@ __all__ = [
     "dump_event",
     "event_json_schema",
     "parse_event",
+    "unknown_fields",
     "uuid7",
 ]

@@ -14,6 +14,11 @@ Schema history:
       Additive change within 1: a completion's ``sampling`` may carry ``min_p``, the penalties,
       ``logit_bias``, ``min_tokens`` and ``constraints`` (what else shaped the sampled
       distribution); a reader built before refuses such a record rather than misread it.
+      From here on readers are forward-compatible within a version: :func:`parse_event` accepts
+      fields it does not know at any nesting level and keeps them (:func:`unknown_fields` lists
+      them; :func:`dump_event` writes them back), so a newer SDK may add optional fields that a
+      reader can ignore without misreading the record. A field an older reader would misread if
+      it ignored it needs a new schema version (see docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -35,6 +40,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import ExtraValues
 
 from flywheel.core.contracts.ids import uuid7
 
@@ -82,7 +88,42 @@ class EventType(StrEnum):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_TEXT, allow_inf_nan=False)
+    """Base of every event model: strict when built, forward-compatible when read.
+
+    Building a model (``Model(...)``, ``model_validate``, ``model_validate_json``) refuses a
+    field the model does not declare, at any nesting level, so a misspelt keyword fails
+    loudly where it is written. The readers (:func:`parse_event`, :func:`parse_event_fast`)
+    validate with ``extra="allow"``: a field that a newer producer of the same schema
+    version added is kept on its model (``model_extra``), serialized again by
+    :func:`dump_event` and listed by :func:`unknown_fields`.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True, str_max_length=MAX_TEXT, allow_inf_nan=False)
+
+    def __init__(self, /, **data: Any) -> None:
+        __tracebackhide__ = True
+        self.__pydantic_validator__.validate_python(data, self_instance=self, extra="forbid")
+
+    # Marked as pydantic's own __init__, so validation builds models without calling it (and a
+    # reader's per-call ``extra="allow"`` applies at every level); only direct construction is strict.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def model_validate(cls, obj: Any, *, extra: ExtraValues | None = None, **kwargs: Any) -> Self:
+        """Validate ``obj``; unknown fields are refused unless ``extra`` says otherwise."""
+        return super().model_validate(obj, extra=extra or "forbid", **kwargs)
+
+    @classmethod
+    def model_validate_json(
+        cls, json_data: str | bytes | bytearray, *, extra: ExtraValues | None = None, **kwargs: Any
+    ) -> Self:
+        """Validate JSON text; unknown fields are refused unless ``extra`` says otherwise."""
+        return super().model_validate_json(json_data, extra=extra or "forbid", **kwargs)
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, *, extra: ExtraValues | None = None, **kwargs: Any) -> Self:
+        """Validate string data; unknown fields are refused unless ``extra`` says otherwise."""
+        return super().model_validate_strings(obj, extra=extra or "forbid", **kwargs)
 
 
 class EventBase(_Model):
@@ -476,6 +517,14 @@ EVENT_TYPES: dict[str, type[EventBase]] = {
 }
 
 
+def _subclasses(cls: type) -> set[type]:
+    return {cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))}
+
+
+_CONTRACT_MODELS = frozenset(_subclasses(_Model))
+"""Every model of this module (events and the models nested in them)."""
+
+
 class ContractError(ValueError):
     """A record that is not a valid event. Not recoverable by retrying: dead-letter it.
 
@@ -526,13 +575,19 @@ def parse_event_fast(text: str) -> Event | None:
     if not text.startswith(FAST_PREFIX) or '"schema_version"' in text[len(FAST_PREFIX) :]:
         return None  # a second schema_version (a later duplicate key wins) could be `true`, which 1 accepts
     try:
-        return EVENT_ADAPTER.validate_json(text)
+        return EVENT_ADAPTER.validate_json(text, extra="allow")
     except ValidationError:
         return None
 
 
 def parse_event(data: bytes | str | dict[str, Any]) -> Event:
-    """Validate one untrusted record into an event, or raise :class:`ContractError` naming the field."""
+    """Validate one untrusted record into an event, or raise :class:`ContractError` naming the field.
+
+    Forward-compatible within a schema version: a field the contract does not declare, at
+    any nesting level, is kept on the event (see :func:`unknown_fields`), never refused. A
+    declared field with a bad value, an unknown ``type`` or an unsupported ``schema_version``
+    is refused.
+    """
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
             data = bytes(data).decode("utf-8")
@@ -562,7 +617,7 @@ def parse_event(data: bytes | str | dict[str, Any]) -> Event:
     if not isinstance(kind, str) or kind not in EVENT_TYPES:  # a list or an object is not hashable
         raise ContractError("type", f"unknown event type {kind!r} (known: {', '.join(sorted(EVENT_TYPES))})")
     try:
-        return EVENT_ADAPTER.validate_python(data)
+        return EVENT_ADAPTER.validate_python(data, extra="allow")
     except ValidationError as exc:
         errors = [_field_and_reason(err) for err in exc.errors(include_url=False)]
         first = errors[0]
@@ -570,13 +625,53 @@ def parse_event(data: bytes | str | dict[str, Any]) -> Event:
 
 
 def dump_event(event: EventBase) -> bytes:
-    """Serialize an event to the JSON bytes that go on the wire."""
+    """Serialize an event to the JSON bytes that go on the wire (with any unknown fields it was read with)."""
     return event.model_dump_json(exclude_none=True).encode("utf-8")
 
 
+def unknown_fields(model: BaseModel) -> list[str]:
+    """Dotted paths of the fields a reader kept without knowing them (a newer producer's), e.g.
+    ``["sampling.typical_p", "prompt_messages.0.audio"]``; empty for an event fully known here.
+
+    Each path names the outermost unknown field: what is inside it is not looked into.
+    """
+    paths: list[str] = []
+    _collect_unknown(model, "", paths)
+    return paths
+
+
+def _collect_unknown(model: BaseModel, prefix: str, paths: list[str]) -> None:
+    if model.__pydantic_extra__:
+        paths.extend(prefix + name for name in model.__pydantic_extra__)
+    for name, value in model.__dict__.items():  # type() lookups: isinstance on models is slow (ABCMeta)
+        kind = type(value)
+        if kind in _CONTRACT_MODELS:
+            _collect_unknown(value, f"{prefix}{name}.", paths)
+        elif kind is list and value and type(value[0]) in _CONTRACT_MODELS:
+            for index, item in enumerate(value):
+                _collect_unknown(item, f"{prefix}{name}.{index}.", paths)
+
+
 def event_json_schema() -> dict[str, Any]:
-    """JSON Schema of :data:`Event` (the union of all event types)."""
+    """JSON Schema of :data:`Event` (the union of all event types): what a producer must write.
+
+    Every object is closed (``additionalProperties: false``), as building a model is: a
+    producer's misspelt field fails there. Readers accept more (see :func:`parse_event`).
+    """
     schema = EVENT_ADAPTER.json_schema(mode="validation")
+    _close_objects(schema)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = f"Flywheel event, schema version {SCHEMA_VERSION}"
     return schema
+
+
+def _close_objects(node: Any) -> None:
+    """Turn every ``additionalProperties: true`` (a model's ``extra="allow"``) into ``false``, in place."""
+    if isinstance(node, dict):
+        if node.get("additionalProperties") is True:
+            node["additionalProperties"] = False
+        for value in node.values():
+            _close_objects(value)
+    elif isinstance(node, list):
+        for value in node:
+            _close_objects(value)
