@@ -128,8 +128,8 @@ class Scope:
 
     # -- the hot path -----------------------------------------------------------------------
 
-    def _log(self, kind: str, fields: Fields) -> uuid.UUID | None:
-        event_id = self._fw._put(kind, self.session_id, fields)
+    def _log(self, kind: str, fields: Fields, event_id: uuid.UUID | None = None) -> uuid.UUID | None:
+        event_id = self._fw._put(kind, self.session_id, fields, event_id)
         self.last_event_id = event_id
         return event_id
 
@@ -231,7 +231,9 @@ class Scope:
         }
         fields.update((key, value) for key, value in optional.items() if value is not None)
         self._fw._remember_completion(cid, self.session_id)
-        self._log(COMPLETION, fields)
+        # A completion event's id is its completion id: the router's capture of the same completion
+        # (which hands the wrapper its ids) carries the same, so ingest keeps one of the two.
+        self._log(COMPLETION, fields, event_id=cid)
         return cid
 
     def summary(
@@ -653,16 +655,19 @@ class Flywheel:
 
     # -- the hot path -----------------------------------------------------------------------
 
-    def _put(self, kind: str, session_id: str | None, fields: Fields) -> uuid.UUID | None:
+    def _put(
+        self, kind: str, session_id: str | None, fields: Fields, event_id: uuid.UUID | None = None
+    ) -> uuid.UUID | None:
         """Enqueue one record; never blocks, never raises. ``None`` if it was dropped.
 
-        ``session_id`` is ``None`` only for unattached feedback (see :meth:`feedback`).
+        ``session_id`` is ``None`` only for unattached feedback (see :meth:`feedback`); ``event_id``
+        defaults to a new UUIDv7.
         """
         queue = self._queue
         if len(queue) >= self._queue_size or self._closed:
             self._drop_on_put(kind)
             return None
-        event_id = uuid7()
+        event_id = event_id or uuid7()
         queue.append((kind, self.project, session_id, fields, event_id.int, time.time()))
         return event_id
 

@@ -35,18 +35,27 @@ it may now see, and a private attribute carrying the completion ids (see
 from __future__ import annotations
 
 import logging
-import math
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import openai
 from openai import AsyncStream, Stream
 
 from flywheel.core.contracts import headers
+from flywheel.core.openai_fields import (
+    Kind,
+    StreamAccumulator,
+    aligned_logprobs,
+    as_name,
+    normalize_message,
+    parse_chat_completion,
+    parse_text_completion,
+    request_fields,
+    sampling_params,
+)
 from flywheel.sdk.client import Flywheel, Scope, current_scope
 
 log = logging.getLogger("flywheel.sdk")
@@ -54,12 +63,9 @@ log = logging.getLogger("flywheel.sdk")
 POLICY_VERSION_HEADER = headers.POLICY_VERSION
 SESSION_HEADER = headers.SESSION_ID
 SERVED_BY_HEADER = headers.REPLICA
+COMPLETION_IDS_HEADER = headers.COMPLETION_IDS
 IDS_ATTRIBUTE = "_flywheel_completion_ids"
 """Private attribute set on a logged response: the completion ids, one per choice."""
-MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-_NAME_BAD = re.compile(r"[^A-Za-z0-9._:@/-]")
-
-Kind = Literal["chat", "text"]
 C = TypeVar("C")
 
 
@@ -69,6 +75,13 @@ C = TypeVar("C")
 def _given(value: Any) -> bool:
     """Whether a keyword argument was really given (not absent, ``None``, ``NOT_GIVEN`` or ``omit``)."""
     return value is not None and not isinstance(value, (openai.NotGiven, openai.Omit))
+
+
+__all__ = [  # what the SDK's tests and users import from here; the field parsing lives in the core
+    "StreamAccumulator", "aligned_logprobs", "as_name", "completion_ids", "normalize_message",
+    "parse_chat_completion", "parse_text_completion", "prepare_request", "request_fields",
+    "sampling_params", "wrap",
+]  # fmt: skip
 
 
 def prepare_request(kind: Kind, kwargs: Mapping[str, Any], *, request_token_data: bool) -> tuple[dict[str, Any], bool]:
@@ -114,343 +127,7 @@ def with_session_header(kwargs: Mapping[str, Any], session_id: str | None) -> di
     return out
 
 
-def request_fields(kind: Kind, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """What the request contributes to the completion event: model, prompt, sampling parameters."""
-    fields: dict[str, Any] = {"model": str(kwargs.get("model", "")), "sampling": sampling_params(kwargs)}
-    if kind == "chat":
-        fields["prompt_messages"] = [m for m in (normalize_message(x) for x in kwargs.get("messages") or ()) if m]
-    else:
-        prompt = kwargs.get("prompt")
-        if isinstance(prompt, str):
-            fields["prompt_text"] = prompt
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
-            fields["prompt_texts"] = list(prompt)
-    return fields
-
-
-def _number(low: float, high: float, *, low_open: bool = False) -> Any:
-    def check(v: Any) -> bool:
-        return isinstance(v, (int, float)) and (low < v if low_open else low <= v) and v <= high
-
-    return check
-
-
-SAMPLING_CHECKS: dict[str, Any] = {
-    "temperature": _number(0, 10),
-    "top_p": _number(0, 1, low_open=True),
-    "top_k": lambda v: isinstance(v, int) and v >= -1,
-    "min_p": _number(0, 1),
-    "presence_penalty": _number(-2, 2),
-    "frequency_penalty": _number(-2, 2),
-    "repetition_penalty": _number(0, 100, low_open=True),
-    "min_tokens": lambda v: isinstance(v, int) and 0 <= v <= 65_536,
-    "max_tokens": lambda v: isinstance(v, int) and 1 <= v <= 65_536,
-    "seed": lambda v: isinstance(v, int),
-}
-"""Sampling parameters recorded as numbers, with the contract's ranges (a value outside is left out)."""
-
-CONSTRAINT_OPTIONS = {
-    "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words",
-    "structured_outputs": "structured_outputs",
-    "guided_json": "structured_outputs",
-    "guided_regex": "structured_outputs",
-    "guided_choice": "structured_outputs",
-    "guided_grammar": "structured_outputs",
-    "use_beam_search": "beam_search",
-    "thinking_token_budget": "thinking_token_budget",
-    "logits_processors": "logits_processors",
-}
-"""Request options (top level or ``extra_body``) that restrict which tokens may be sampled, to the name recorded."""
-
-
-def sampling_params(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling parameters of a request: whatever shapes the distribution its tokens were sampled from.
-
-    Standard OpenAI options are read from the call's keyword arguments, vLLM's own (``top_k``,
-    ``min_p``, ``repetition_penalty``, ``min_tokens``, ...) from ``extra_body`` (which the client
-    merges into the request, so it wins there too). Numbers outside the contract's ranges are left
-    out rather than losing the completion. Options that restrict the sampled tokens in ways the
-    trainer cannot reproduce (allowed tokens, bad words, structured outputs, a JSON response format,
-    a forced tool choice, beam search, ...) are listed by name in ``constraints``; an invalid
-    ``logit_bias`` is listed there too, so the record never looks less constrained than the request was.
-    """
-    extra = kwargs.get("extra_body") if isinstance(kwargs.get("extra_body"), Mapping) else {}
-
-    def given(key: str) -> Any:
-        value = extra.get(key) if extra and _given(extra.get(key)) else kwargs.get(key)
-        return value if _given(value) else None
-
-    params: dict[str, Any] = {}
-    for key, check in SAMPLING_CHECKS.items():
-        value = given(key)
-        if key == "max_tokens" and value is None:
-            value = given("max_completion_tokens")
-        if value is not None and not isinstance(value, bool) and check(value):
-            params[key] = value
-    constraints: list[str] = []
-    bias = given("logit_bias")
-    if isinstance(bias, Mapping) and bias:
-        try:
-            cleaned = {str(int(k)): float(v) for k, v in bias.items()}
-        except (TypeError, ValueError):
-            cleaned = None
-        if cleaned is not None and len(cleaned) <= 4096 and all(-100 <= v <= 100 for v in cleaned.values()):
-            params["logit_bias"] = cleaned
-        else:
-            constraints.append("logit_bias")
-    for option, name in CONSTRAINT_OPTIONS.items():
-        value = given(option)
-        if value is not None and value is not False and value != [] and name not in constraints:
-            constraints.append(name)
-    response_format = given("response_format")
-    kind = response_format.get("type") if isinstance(response_format, Mapping) else response_format
-    if response_format is not None and kind != "text":
-        constraints.append("response_format")
-    tool_choice = given("tool_choice")
-    if tool_choice == "required" or isinstance(tool_choice, Mapping):
-        constraints.append("tool_choice")
-    if constraints:
-        params["constraints"] = constraints
-    stop = kwargs.get("stop")
-    if isinstance(stop, str):
-        params["stop"] = [stop]
-    elif isinstance(stop, Sequence) and _given(stop):
-        params["stop"] = [s for s in stop if isinstance(s, str)][:16]
-    return params
-
-
-def normalize_message(message: Any) -> dict[str, Any] | None:
-    """One request message as the contract's ``Message`` (dict), or ``None`` if it has no usable role."""
-    if hasattr(message, "model_dump"):
-        message = message.model_dump()
-    if not isinstance(message, Mapping):
-        return None
-    role = message.get("role")
-    if role == "function":
-        role = "tool"
-    if role not in MESSAGE_ROLES:
-        return None
-    out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
-    name = message.get("name")
-    if isinstance(name, str):
-        out["name"] = name[:128]
-    tool_call_id = message.get("tool_call_id")
-    if isinstance(tool_call_id, str):
-        out["tool_call_id"] = tool_call_id[:128]
-    return out
-
-
-def content_text(content: Any) -> str | None:
-    """Message content as text: a string as is, the text parts of a list of parts joined by newlines."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, Sequence):
-        parts = []
-        for part in content:
-            if isinstance(part, Mapping):
-                text = part.get("text") if part.get("type", "text") == "text" else part.get("refusal")
-                if isinstance(text, str):
-                    parts.append(text)
-        return "\n".join(parts)
-    return str(content)
-
-
 # -- response --------------------------------------------------------------------------------
-
-
-def as_name(value: str | None) -> str | None:
-    """``value`` made a valid contract name (policy versions: served model names may be paths)."""
-    if not value:
-        return None
-    cleaned = _NAME_BAD.sub("_", value).lstrip("._:@/-")
-    return cleaned[:128] or None
-
-
-def aligned_logprobs(token_ids: list[int] | None, logprobs: list[float | None] | None) -> list[float] | None:
-    """The logprobs if they can be trusted: one finite value <= 0 per completion token, else ``None``."""
-    if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
-        return None
-    out = []
-    for value in logprobs:
-        if value is None or not math.isfinite(value) or value > 1e-4:
-            return None
-        out.append(min(float(value), 0.0))
-    return out
-
-
-def _ints(value: Any) -> list[int] | None:
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [int(v) for v in value]
-    return None
-
-
-def _tool_call(call: Any) -> dict[str, Any] | None:
-    """A response tool call as the contract's ``ToolCall`` (dict)."""
-    function = getattr(call, "function", None) or getattr(call, "custom", None)
-    name = getattr(function, "name", None)
-    if not call.id or not name:
-        return None
-    arguments = getattr(function, "arguments", None)
-    if arguments is None:
-        arguments = getattr(function, "input", "")
-    return {"id": call.id, "name": name, "arguments": arguments or ""}
-
-
-def parse_chat_completion(response: Any) -> list[dict[str, Any]]:
-    """Per choice of an ``openai.types.chat.ChatCompletion``: the completion event's response fields."""
-    prompt_ids = _ints(getattr(response, "prompt_token_ids", None))
-    results = []
-    for choice in sorted(response.choices, key=lambda c: c.index):
-        message = choice.message
-        token_ids = _ints(getattr(choice, "token_ids", None))
-        content = choice.logprobs.content if choice.logprobs is not None else None
-        logprobs = [t.logprob for t in content] if content is not None else None
-        results.append(
-            _response_fields(
-                text=message.content or "",
-                tool_calls=[c for c in (_tool_call(t) for t in message.tool_calls or ()) if c],
-                finish_reason=choice.finish_reason,
-                prompt_token_ids=prompt_ids,
-                token_ids=token_ids,
-                logprobs=logprobs,
-            )
-        )
-    return results
-
-
-def parse_text_completion(response: Any) -> list[dict[str, Any]]:
-    """Per choice of an ``openai.types.Completion``: the completion event's response fields."""
-    results = []
-    for choice in sorted(response.choices, key=lambda c: c.index):
-        token_ids = _ints(getattr(choice, "token_ids", None))
-        logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
-        fields = _response_fields(
-            text=choice.text or "",
-            tool_calls=[],
-            finish_reason=choice.finish_reason,
-            prompt_token_ids=_ints(getattr(choice, "prompt_token_ids", None)),
-            token_ids=token_ids,
-            logprobs=logprobs,
-        )
-        fields["index"] = choice.index
-        results.append(fields)
-    return results
-
-
-def _response_fields(
-    *,
-    text: str,
-    tool_calls: list[dict[str, Any]],
-    finish_reason: str | None,
-    prompt_token_ids: list[int] | None,
-    token_ids: list[int] | None,
-    logprobs: list[float | None] | None,
-) -> dict[str, Any]:
-    return {
-        "completion_text": text,
-        "tool_calls": tool_calls,
-        "finish_reason": finish_reason,
-        "prompt_token_ids": prompt_token_ids,
-        "completion_token_ids": token_ids,
-        "logprobs": aligned_logprobs(token_ids, logprobs),
-    }
-
-
-@dataclass
-class _ChoiceState:
-    text: list[str] = field(default_factory=list)
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    has_token_ids: bool = False
-    has_logprobs: bool = False
-    prompt_token_ids: list[int] | None = None
-    finish_reason: str | None = None
-
-
-class StreamAccumulator:
-    """Collects the chunks of a chat or text stream into the fields of one completion per choice."""
-
-    def __init__(self, kind: Kind):
-        self.kind = kind
-        self.model: str | None = None
-        self.prompt_token_ids: list[int] | None = None
-        self.usage: Any = None
-        self._choices: dict[int, _ChoiceState] = {}
-
-    def add(self, chunk: Any) -> None:
-        """Take in one chunk (``ChatCompletionChunk`` or ``Completion``)."""
-        self.model = getattr(chunk, "model", None) or self.model
-        if getattr(chunk, "usage", None) is not None:
-            self.usage = chunk.usage
-        prompt_ids = _ints(getattr(chunk, "prompt_token_ids", None))
-        if prompt_ids is not None:
-            self.prompt_token_ids = prompt_ids
-        for choice in chunk.choices or ():
-            state = self._choices.setdefault(choice.index, _ChoiceState())
-            if self.kind == "chat":
-                self._add_chat(state, choice)
-            else:
-                self._add_text(state, choice)
-            token_ids = _ints(getattr(choice, "token_ids", None))
-            if token_ids is not None:
-                state.has_token_ids = True
-                state.token_ids.extend(token_ids)
-            if choice.finish_reason:
-                state.finish_reason = choice.finish_reason
-
-    @staticmethod
-    def _add_chat(state: _ChoiceState, choice: Any) -> None:
-        delta = choice.delta
-        if delta is not None and delta.content:
-            state.text.append(delta.content)
-        for call in (delta.tool_calls if delta is not None else None) or ():
-            slot = state.tool_calls.setdefault(call.index, {"id": None, "name": None, "arguments": []})
-            slot["id"] = call.id or slot["id"]
-            if call.function is not None:
-                slot["name"] = call.function.name or slot["name"]
-                if call.function.arguments:
-                    slot["arguments"].append(call.function.arguments)
-        content = choice.logprobs.content if choice.logprobs is not None else None
-        if content is not None:
-            state.has_logprobs = True
-            state.logprobs.extend(t.logprob for t in content)
-
-    @staticmethod
-    def _add_text(state: _ChoiceState, choice: Any) -> None:
-        if choice.text:
-            state.text.append(choice.text)
-        prompt_ids = _ints(getattr(choice, "prompt_token_ids", None))
-        if prompt_ids is not None:
-            state.prompt_token_ids = prompt_ids
-        token_logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
-        if token_logprobs is not None:
-            state.has_logprobs = True
-            state.logprobs.extend(token_logprobs)
-
-    def results(self) -> list[dict[str, Any]]:
-        """The response fields of every choice seen so far, in index order."""
-        results = []
-        for index, state in sorted(self._choices.items()):
-            calls = [
-                {"id": c["id"], "name": c["name"], "arguments": "".join(c["arguments"])}
-                for _, c in sorted(state.tool_calls.items())
-                if c["id"] and c["name"]
-            ]
-            token_ids = state.token_ids if state.has_token_ids else None
-            fields = _response_fields(
-                text="".join(state.text),
-                tool_calls=calls,
-                finish_reason=state.finish_reason,
-                prompt_token_ids=state.prompt_token_ids or self.prompt_token_ids,
-                token_ids=token_ids,
-                logprobs=state.logprobs if state.has_logprobs else None,
-            )
-            fields["index"] = index
-            results.append(fields)
-        return results
-
 
 # -- logging ---------------------------------------------------------------------------------
 
@@ -467,6 +144,8 @@ class _Call:
     started: float
     policy_version: str | None = None
     served_by: str | None = None
+    router_ids: list[uuid.UUID] = field(default_factory=list)
+    """The completion ids the router gave its capture of this call (``x-flywheel-completion-ids``)."""
     logged: bool = False
 
     def log(self, results: list[dict[str, Any]], model: str | None) -> list[uuid.UUID]:
@@ -487,12 +166,14 @@ class _Call:
         policy = as_name(self.policy_version) or as_name(served_model) or "unknown"
         prompt_texts = self.request.get("prompt_texts")
         ids = []
-        for fields in results:
-            index = fields.pop("index", 0)
+        for position, fields in enumerate(results):
+            index = fields.pop("index", position)  # whole chat answers are parsed in choice order, without it
             prompt_text = self.request.get("prompt_text")
             if prompt_texts:
                 prompt_text = prompt_texts[min(index // max(self.n, 1), len(prompt_texts) - 1)]
+            given_id = self.router_ids[index] if index < len(self.router_ids) else None
             completion_id = self.scope.completion(
+                completion_id=given_id,
                 model=served_model,
                 policy_version=policy,
                 prompt_messages=self.request.get("prompt_messages"),
@@ -522,6 +203,18 @@ def _attach_ids(response: Any, ids: list[uuid.UUID]) -> None:
 def _headers(raw: Any) -> tuple[str | None, str | None]:
     headers = getattr(raw, "headers", None) or {}
     return headers.get(POLICY_VERSION_HEADER), headers.get(SERVED_BY_HEADER)
+
+
+def _router_ids(raw: Any) -> list[uuid.UUID]:
+    """The router's completion ids for this call (one per choice), when it captured it; UUIDv7s only."""
+    header = (getattr(raw, "headers", None) or {}).get(COMPLETION_IDS_HEADER)
+    if not header:
+        return []
+    try:
+        ids = [uuid.UUID(part.strip()) for part in str(header).split(",")]
+    except ValueError:
+        return []
+    return ids if all(i.version == 7 for i in ids) else []
 
 
 class _Observer:
@@ -652,6 +345,7 @@ def _begin(
 def _finish(call: _Call, raw: Any, injected: bool, parse: Any) -> Any:
     """Log a non-streamed response, or wrap a stream so it is logged when it ends."""
     call.policy_version, call.served_by = _headers(raw)
+    call.router_ids = _router_ids(raw)
     if isinstance(parse, Stream):
         return LoggedStream.adopt(parse, _Observer(call, injected))
     if isinstance(parse, AsyncStream):

@@ -72,6 +72,7 @@ from flywheel.core.endpoints import postgres_url
 from flywheel.core.settings import ServingSettings, Settings, get_settings
 from serving.proxy import routing
 from serving.proxy.access import AccessDenied, RateLimiter, check_key, retry_after_header
+from serving.proxy.capture import Capture, CaptureSink
 from serving.proxy.routing import Decision, ReplicaHealth, ReplicaRow, RoutingTable, StickyTable
 
 log = logging.getLogger("flywheel.serving.router")
@@ -222,6 +223,15 @@ class Metrics:
         self.refused = counter(
             "flywheel_router_refused", "Requests refused for their key or rate (401, 403, 429), by reason", "code"
         )
+        self.captured = Counter(
+            "flywheel_router_captured", "Completions captured as events and acknowledged by Kafka",
+            registry=self.registry,
+        )  # fmt: skip
+        self.capture_dropped = counter(
+            "flywheel_router_capture_dropped",
+            "Captured completions not sent (buffer_full, too_large, kafka_error, invalid, unparsable, stream_failed)",
+            "reason",
+        )
         self.registry.register(_LiveGauges(router))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total: the router's own CPU
         self._request_children: dict[tuple[str, str, int], Any] = {}
@@ -274,6 +284,13 @@ class Router:
         self.used_keys: set[int] = set()
         """Keys used since the last read (their ``last_used_at`` is written with the next read)."""
         self.limiter = RateLimiter(self.cfg.key_rate_per_s, self.cfg.key_burst)
+        self.capture: CaptureSink | None = None
+        if self.cfg.capture.projects:
+            self.capture = CaptureSink(
+                settings,
+                on_drop=lambda reason, n: self.metrics.capture_dropped.labels(reason).inc(n),
+                on_sent=self.metrics.captured.inc,
+            )
         self._keys_changed = asyncio.Event()
         self._metrics_runner: web.AppRunner | None = None
         self.rng = random.Random()
@@ -313,6 +330,8 @@ class Router:
         except Exception as err:  # the loop keeps retrying; the router starts and says it is not ready
             log.error("router: first routing-table read failed: %r", err)
         await self.probe_all()
+        if self.capture is not None:
+            self.capture.start()
         self._tasks = [
             asyncio.create_task(self._loop(self.cfg.refresh_s, self.refresh), name="router-refresh"),
             asyncio.create_task(self._loop(self.cfg.health_interval_s, self.probe_all), name="router-health"),
@@ -346,6 +365,8 @@ class Router:
         for session in (self.session, self._probe_session):
             if session is not None:
                 await session.close()
+        if self.capture is not None:
+            await asyncio.to_thread(self.capture.close)
 
     async def _loop(self, every_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -592,9 +613,20 @@ class Router:
     # -- proxying ----------------------------------------------------------------------------
 
     async def proxy(
-        self, path: str, payload: dict[str, Any], session_id: str | None, receive: Receive, send: Send
+        self,
+        path: str,
+        payload: dict[str, Any],
+        session_id: str | None,
+        receive: Receive,
+        send: Send,
+        project: str | None = None,
     ) -> None:
-        """Send one completion request to a replica (retrying before the first byte), answer the client."""
+        """Send one completion request to a replica (retrying before the first byte), answer the client;
+        captured as events when ``project`` has capture on (:mod:`serving.proxy.capture`)."""
+        capture = None
+        if self.capture is not None and self.cfg.capture.covers(project):
+            assert project is not None
+            capture = Capture.begin(path, payload, project, session_id)
         decision = await self.decide(session_id)
         version = decision.policy_version
         stream = payload.get("stream") is True
@@ -614,7 +646,7 @@ class Router:
                 payload["model"] = served
                 body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
             try:
-                await self._forward(attempt, path, body, stream, receive, send)
+                await self._forward(attempt, path, body, stream, receive, send, capture)
                 return
             except UpstreamFailed as err:
                 last, last_name = err, f"replica {attempt.name}"
@@ -629,7 +661,14 @@ class Router:
         raise RouterError(503, detail, "service_unavailable")
 
     async def _forward(
-        self, attempt: _Attempt, path: str, body: bytes, stream: bool, receive: Receive, send: Send
+        self,
+        attempt: _Attempt,
+        path: str,
+        body: bytes,
+        stream: bool,
+        receive: Receive,
+        send: Send,
+        capture: Capture | None = None,
     ) -> None:
         """One attempt; raises :class:`UpstreamFailed` only while nothing has been sent to the client.
 
@@ -658,27 +697,67 @@ class Router:
                     health.request_ok()
                 content_type = resp.headers.get("Content-Type", "application/json").encode()
                 if stream and resp.status == 200 and content_type.startswith(b"text/event-stream"):
-                    await self._stream(attempt, resp, content_type, receive, send)
+                    await self._stream(attempt, resp, content_type, receive, send, capture)
                 else:
-                    await self._whole(attempt, resp, content_type, send)
+                    await self._whole(attempt, resp, content_type, send, capture)
         finally:
             self.outstanding[url] -= 1
 
-    async def _whole(self, attempt: _Attempt, resp: aiohttp.ClientResponse, content_type: bytes, send: Send) -> None:
+    async def _whole(
+        self,
+        attempt: _Attempt,
+        resp: aiohttp.ClientResponse,
+        content_type: bytes,
+        send: Send,
+        capture: Capture | None = None,
+    ) -> None:
         try:
             data = await resp.read()
         except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "read", f"{type(err).__name__}: {err}")
             raise UpstreamFailed(attempt.url, "connection lost", f"{type(err).__name__}: {err}") from err
+        extra: list[tuple[bytes, bytes]] = []
         if resp.status == 200 and content_type.startswith(b"application/json"):
+            if capture is not None:
+                data = self._capture_whole(capture, attempt, data)
+                extra.append(capture.header)
             data = splice_tag(data, attempt.tag)
-        headers = [(b"content-type", content_type), (b"content-length", str(len(data)).encode()), *attempt.headers]
+        headers = [
+            (b"content-type", content_type), (b"content-length", str(len(data)).encode()), *attempt.headers, *extra,
+        ]  # fmt: skip
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         self.metrics.answered(attempt.version, attempt.name, resp.status)
 
+    def _capture_whole(self, capture: Capture, attempt: _Attempt, data: bytes) -> bytes:
+        """The answer the client gets (what it did not ask for taken out); its choices offered as events."""
+        try:
+            body, results = capture.whole(data)
+        except ValueError as err:  # vLLM's answer is not the JSON expected: pass it on as it came
+            log.warning("router: cannot capture an answer from %s: %s", attempt.name, err)
+            self.metrics.capture_dropped.labels("unparsable").inc(capture.n)
+            return data
+        self._offer(capture, lambda: capture.events(results, attempt.version, None, attempt.name))
+        return body
+
+    def _offer(self, capture: Capture, make: Callable[[], list[Any]]) -> None:
+        assert self.capture is not None
+        try:
+            events = make()
+        except ValueError as err:  # the contract refused the fields (pydantic's ValidationError is a ValueError)
+            log.warning("router: a captured completion is not a valid event: %s", err)
+            self.metrics.capture_dropped.labels("invalid").inc(capture.n)
+            return
+        self.capture.offer(events)
+
     async def _stream(
-        self, attempt: _Attempt, resp: aiohttp.ClientResponse, content_type: bytes, receive: Receive, send: Send
+        self,
+        attempt: _Attempt,
+        resp: aiohttp.ClientResponse,
+        content_type: bytes,
+        receive: Receive,
+        send: Send,
+        capture: Capture | None = None,
     ) -> None:
         """Pass SSE chunks through as they arrive; an upstream failure ends the stream with an error event."""
         content = resp.content
@@ -688,23 +767,37 @@ class Router:
             self._failure(attempt.url, "read", f"{type(err).__name__}: {err}")
             raise UpstreamFailed(attempt.url, "connection lost", f"{type(err).__name__}: {err}") from err
         headers = [(b"content-type", content_type), (b"cache-control", b"no-cache"), *attempt.headers]
+        if capture is not None:
+            headers.append(capture.header)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         disconnected = asyncio.ensure_future(_until_disconnect(receive))
         tail = b""
         try:
             chunk = first
             while chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                out = capture.stream_chunk(chunk) if capture is not None else chunk
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
                 if disconnected.done():
                     resp.close()  # the client left: vLLM sees the disconnect and aborts the request
+                    if capture is not None:
+                        self.metrics.capture_dropped.labels("stream_failed").inc(capture.n)
                     return
                 tail = (tail + chunk)[-len(SSE_DONE) - 4 :]
                 chunk = await content.readany()
             if SSE_DONE not in tail:
                 raise aiohttp.ClientPayloadError("the replica ended the stream without its final [DONE] event")
+            if capture is not None:
+                rest = capture.stream_rest()
+                if rest:
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+                self._offer(capture, lambda: capture.stream_events(attempt.version, attempt.name))
         except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "stream", f"{type(err).__name__}: {err}")
             self.metrics.stream_errors.labels(attempt.name).inc()
+            if capture is not None:
+                capture.stream_rest()  # the events already complete went out; a partial one is cut here
+                self.metrics.capture_dropped.labels("stream_failed").inc(capture.n)
             await send({"type": "http.response.body", "body": sse_error(attempt, err), "more_body": True})
         finally:
             disconnected.cancel()
@@ -846,8 +939,8 @@ class RouterApp:
             if path in PROXIED:
                 if method != "POST":
                     raise RouterError(405, f"{path} takes POST, not {method}", "method_not_allowed")
-                await self.router.authorize(_header(scope, b"authorization"))
-                await self._completion(scope, path, receive, send)
+                key = await self.router.authorize(_header(scope, b"authorization"))
+                await self._completion(scope, path, receive, send, key.project)
             elif path in LOCAL_GET:
                 if method not in ("GET", "HEAD"):
                     raise RouterError(405, f"{path} takes GET, not {method}", "method_not_allowed")
@@ -871,7 +964,9 @@ class RouterApp:
         else:
             await _respond(send, 200, router.models_body())
 
-    async def _completion(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
+    async def _completion(
+        self, scope: Scope, path: str, receive: Receive, send: Send, project: str | None = None
+    ) -> None:
         session_id = None
         limit = self.router.cfg.max_request_bytes
         for name, value in scope["headers"]:
@@ -896,7 +991,7 @@ class RouterApp:
         if session_id is None:
             user = payload.get("user")
             session_id = user if isinstance(user, str) and user else None
-        await self.router.proxy(path, payload, session_id, receive, send)
+        await self.router.proxy(path, payload, session_id, receive, send, project)
 
 
 def _header(scope: Scope, wanted: bytes) -> str | None:

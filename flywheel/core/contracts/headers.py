@@ -10,3 +10,7 @@ POLICY_VERSION = "x-flywheel-policy-version"
 REPLICA = "x-flywheel-replica"
 """Response header of the router: the replica that served the request, by its public id (its id
 in the fleet's ``replicas`` table, as the router's metrics label it); never its internal URL."""
+COMPLETION_IDS = "x-flywheel-completion-ids"
+"""Response header of the router when it captured the completion: the completion ids it gave the
+choices (comma-separated UUIDv7s, in choice order). The SDK's openai wrapper logs its own event of
+each choice under the same id, so the two records of one completion are kept once."""

@@ -79,6 +79,21 @@ class CanarySettings(BaseModel):
         return self
 
 
+class CaptureSettings(BaseModel):
+    """Router-side capture: completions proxied for these projects become ``completion`` events."""
+
+    projects: list[str] = Field(default_factory=list, max_length=1000)
+    """Projects whose product keys' completions the router records (``"*"``: every project); empty: off."""
+    buffer_events: int = Field(10_000, ge=1, le=1_000_000)
+    """Captured events waiting for Kafka at most; a full buffer drops new ones (counted), never blocks."""
+    max_event_bytes: int = Field(4 << 20, ge=1024, le=64 << 20)
+    """A captured event larger than this is dropped (counted) rather than sent."""
+
+    def covers(self, project: str | None) -> bool:
+        """Whether the router captures the completions of ``project``."""
+        return project is not None and ("*" in self.projects or project in self.projects)
+
+
 class ServingSettings(BaseModel):
     """The router (the only public ingress), the hot swap and the admin API."""
 
@@ -146,6 +161,8 @@ class ServingSettings(BaseModel):
     """Longest the reload of one replica may take."""
     canary: CanarySettings = Field(default_factory=CanarySettings)
     """The canary controller."""
+    capture: CaptureSettings = Field(default_factory=CaptureSettings)
+    """Router-side capture of the completions it proxies (off unless projects are named)."""
 
     @field_validator("strategy")
     @classmethod
