@@ -97,7 +97,7 @@ class Capture:
         if not capture.keep_logprobs:
             if kind == "chat":
                 payload["logprobs"] = True
-                payload["top_logprobs"] = 0
+                payload.setdefault("top_logprobs", 0)
             else:
                 payload["logprobs"] = 0
         return capture
