@@ -476,6 +476,7 @@ class Flywheel:
             chain(default, redactor),
             max_completion_tokens=self.settings.max_completion_tokens,
             max_event_bytes=self.settings.max_event_bytes,
+            counters=self._counters,
         )
         self._sender = Sender(
             self._queue,
@@ -726,6 +727,7 @@ class Flywheel:
             invalid=values["invalid"],
             send_failures=values["send_failures"],
             errors=values["errors"],
+            token_data_redacted=values["token_data_redacted"],
             queued=len(self._queue),
             spool_bytes=spool.bytes if spool is not None else 0,
         )

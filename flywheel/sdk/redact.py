@@ -9,6 +9,14 @@ callable (``Flywheel(redactor=...)``); it runs after the default one.
 Only free text is redacted (message and tool contents, tool arguments, completion and
 prompt text, summaries, feedback text, errors, span assignments and results, string
 values of metadata and details); ids and names are left as they are.
+
+Token ids encode text, and the SDK has no tokenizer to re-encode redacted text, so a
+completion whose text redaction changed loses the token data of that text
+(:func:`redact_completion`): ``completion_token_ids`` and ``logprobs`` when its completion
+text or a tool call changed, ``prompt_token_ids`` when its prompt text or a prompt message
+changed. Otherwise a redacted e-mail or key would still be in the training data, one
+decode away. Such a completion is not trained on (the sample builder skips a completion
+without token ids).
 """
 
 from __future__ import annotations
@@ -30,6 +38,14 @@ FLAT_KEYS = frozenset({"metadata", "details"})
 """Keys holding flat dicts whose string values are all free text."""
 NUMBER_LIST_KEYS = frozenset({"prompt_token_ids", "completion_token_ids", "logprobs"})
 """Keys holding lists of numbers, which the walk skips without looking at their items."""
+COMPLETION_SIDE_KEYS = ("completion_text", "tool_calls")
+"""A completion's generated text: its token data is ``COMPLETION_TOKEN_KEYS``."""
+COMPLETION_TOKEN_KEYS = ("completion_token_ids", "logprobs")
+"""Token data of the generated text, dropped when redaction changes any of ``COMPLETION_SIDE_KEYS``."""
+PROMPT_SIDE_KEYS = ("prompt_text", "prompt_messages")
+"""A completion's prompt: its token data is ``PROMPT_TOKEN_KEYS``."""
+PROMPT_TOKEN_KEYS = ("prompt_token_ids",)
+"""Token data of the prompt, dropped when redaction changes any of ``PROMPT_SIDE_KEYS``."""
 
 _PATTERNS: list[tuple[str, str]] = [
     ("PRIVATE_KEY", r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"),
@@ -188,3 +204,51 @@ def redact_fields(fields: dict[str, Any], redactor: RedactFn) -> None:
             for item in value:
                 if isinstance(item, dict):
                     redact_fields(item, redactor)
+
+
+def _strings(value: Any, out: list[str]) -> list[str]:
+    """Every string in ``value`` (nested dicts and lists included), in order, appended to ``out``."""
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _strings(item, out)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _strings(item, out)
+    return out
+
+
+def _texts(fields: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for key in keys:
+        out.append(key)  # a separator, so text moving between keys is a change too
+        _strings(fields.get(key), out)
+    return out
+
+
+def _drop(fields: dict[str, Any], keys: tuple[str, ...]) -> bool:
+    """Remove ``keys`` from ``fields``; whether any of them held data."""
+    held = False
+    for key in keys:
+        held |= fields.pop(key, None) is not None
+    return held
+
+
+def redact_completion(fields: dict[str, Any], redactor: RedactFn) -> bool:
+    """Redact a completion's fields in place, dropping the token data of every text redaction changed.
+
+    Token ids cannot be redacted without the model's tokenizer, so: when the completion text or
+    a tool call changed, ``completion_token_ids`` and ``logprobs`` are removed; when the prompt
+    text or a prompt message changed, ``prompt_token_ids`` is. A redactor that changes nothing
+    (equal strings out) keeps everything. Returns whether any token data was removed.
+    """
+    completion_before = _texts(fields, COMPLETION_SIDE_KEYS)
+    prompt_before = _texts(fields, PROMPT_SIDE_KEYS)
+    redact_fields(fields, redactor)
+    dropped = False
+    if _texts(fields, COMPLETION_SIDE_KEYS) != completion_before:
+        dropped |= _drop(fields, COMPLETION_TOKEN_KEYS)
+    if _texts(fields, PROMPT_SIDE_KEYS) != prompt_before:
+        dropped |= _drop(fields, PROMPT_TOKEN_KEYS)
+    return dropped

@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from flywheel.core.contracts.events import EVENT_TYPES, dump_event
-from flywheel.sdk.redact import RedactFn, redact_fields
+from flywheel.sdk.redact import RedactFn, redact_completion, redact_fields
 from flywheel.sdk.spool import Spool
 from flywheel.sdk.transports.base import Envelope, Rejection, SendResult, Transport
 
@@ -78,6 +78,8 @@ class EventBuilder:
     ``max_completion_tokens`` and ``max_event_bytes`` (``None``: no limit but the contract's) are the
     deployment's limits (:class:`~flywheel.sdk.settings.SdkSettings`): an event over one is invalid,
     and the error names the setting, so it is refused here rather than by the gateway or ingest.
+    A completion built without some of its token data because redaction changed its text
+    (:func:`~flywheel.sdk.redact.redact_completion`) is counted in ``counters`` as ``token_data_redacted``.
     """
 
     def __init__(
@@ -87,11 +89,13 @@ class EventBuilder:
         *,
         max_completion_tokens: int | None = None,
         max_event_bytes: int | None = None,
+        counters: Counters | None = None,
     ):
         self.sdk = sdk
         self.redactor = redactor
         self.max_completion_tokens = max_completion_tokens
         self.max_event_bytes = max_event_bytes
+        self.counters = counters
 
     def build(self, record: Record, sent_at: datetime | None = None) -> Envelope:
         """The envelope of one record; raises :class:`InvalidEvent` naming what is wrong.
@@ -105,9 +109,13 @@ class EventBuilder:
         data = expand(fields)
         self._check_tokens(kind, data)
         _stringify_arguments(data)
+        token_data_dropped = False
         if self.redactor is not None:
             try:
-                redact_fields(data, self.redactor)
+                if kind == "completion":
+                    token_data_dropped = redact_completion(data, self.redactor)
+                else:
+                    redact_fields(data, self.redactor)
             except Exception as err:  # the product's own redactor: never send unredacted text
                 raise InvalidEvent(f"redactor failed: {err!r}") from err
         data.update(
@@ -130,6 +138,8 @@ class EventBuilder:
                 f"{kind}: event is {len(value)} bytes serialized, over the limit FLYWHEEL_MAX_EVENT_BYTES "
                 f"(max_event_bytes) = {self.max_event_bytes}"
             )
+        if token_data_dropped and self.counters is not None:
+            self.counters.add("token_data_redacted")
         return Envelope(event.kafka_key.encode("utf-8"), value)
 
     def _check_tokens(self, kind: str, data: dict[str, Any]) -> None:
@@ -225,6 +235,10 @@ class SdkStats:
     """Send attempts that failed (broker down, gateway unreachable or refusing the key); their events were kept."""
     errors: int
     """Internal errors the SDK caught to keep the agent running (each logged)."""
+    token_data_redacted: int
+    """Completions built without some of their token data because redaction changed the text it encodes:
+    ``completion_token_ids`` and ``logprobs`` (completion text or a tool call changed), ``prompt_token_ids``
+    (prompt text or a prompt message changed), or both. The trainer cannot train on them."""
     queued: int
     """Records waiting in memory now."""
     spool_bytes: int
@@ -236,7 +250,7 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        names = ("sent", "spooled", "replayed", "dropped", "invalid", "send_failures", "errors")
+        names = ("sent", "spooled", "replayed", "dropped", "invalid", "send_failures", "errors", "token_data_redacted")
         self.values = {name: 0 for name in names}
 
     def add(self, name: str, count: int = 1) -> None:

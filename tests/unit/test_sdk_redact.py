@@ -8,7 +8,7 @@ import re
 import pytest
 
 from flywheel.sdk import Flywheel
-from flywheel.sdk.redact import _PATTERNS, Redactor, chain, luhn_ok, redact_fields
+from flywheel.sdk.redact import _PATTERNS, Redactor, chain, luhn_ok, redact_completion, redact_fields
 from flywheel.sdk.transports.memory import MemoryTransport
 
 redact = Redactor()
@@ -161,3 +161,116 @@ def test_redact_false_keeps_text_and_a_failing_hook_never_leaks(tmp_path) -> Non
     fw.close()
     assert [e.type for e in transport.events()] == ["session_start"]  # it has no free text to redact
     assert fw.stats.invalid == 1  # the message is not sent unredacted
+
+
+def _completion_fields(**kw) -> dict:
+    fields = {
+        "model": "m",
+        "policy_version": "v1",
+        "prompt_messages": [{"role": "user", "content": "what is two plus two"}],
+        "completion_text": "four",
+        "tool_calls": [{"id": "c1", "name": "calc", "arguments": '{"x": 2}'}],
+        "prompt_token_ids": [1, 2, 3],
+        "completion_token_ids": [4, 5],
+        "logprobs": [-0.5, -0.25],
+    }
+    fields.update(kw)
+    return fields
+
+
+@pytest.mark.parametrize(
+    ("changed", "gone"),
+    [
+        ({"completion_text": "mail boss@acme.com"}, {"completion_token_ids", "logprobs"}),
+        (
+            {"tool_calls": [{"id": "c1", "name": "send", "arguments": '{"to": "boss@acme.com"}'}]},
+            {"completion_token_ids", "logprobs"},
+        ),
+        ({"prompt_messages": [{"role": "user", "content": "I am boss@acme.com"}]}, {"prompt_token_ids"}),
+        ({"prompt_messages": [], "prompt_text": "key sk-abcdefghijklmnopqrstuvwx"}, {"prompt_token_ids"}),
+        (
+            {"completion_text": "a@b.io", "prompt_text": "c@d.io"},
+            {"prompt_token_ids", "completion_token_ids", "logprobs"},
+        ),
+        ({}, set()),
+    ],
+)
+def test_redaction_drops_the_token_data_of_changed_text(changed: dict, gone: set) -> None:
+    fields = _completion_fields(**changed)
+    assert redact_completion(fields, redact) == bool(gone)
+    assert {"prompt_token_ids", "completion_token_ids", "logprobs"} - fields.keys() == gone
+    for key in {"prompt_token_ids", "completion_token_ids", "logprobs"} - gone:
+        assert fields[key] == _completion_fields()[key]  # what stays is untouched
+    assert "acme.com" not in repr(fields)
+
+
+def test_a_redactor_that_changes_nothing_keeps_the_token_data() -> None:
+    fields = _completion_fields(completion_text="mail boss@acme.com", prompt_text="boss@acme.com")
+    assert not redact_completion(fields, lambda text: "".join(list(text)))  # equal strings, new objects
+    assert fields == _completion_fields(completion_text="mail boss@acme.com", prompt_text="boss@acme.com")
+    # a change nested in a message is a change
+    fields = _completion_fields(prompt_messages=[{"role": "user", "content": "ACME-CORP"}])
+    assert redact_completion(fields, lambda text: text.replace("ACME-CORP", "[CUSTOMER]"))
+    assert "prompt_token_ids" not in fields and fields["completion_token_ids"] == [4, 5]
+
+
+def test_no_token_data_nothing_dropped() -> None:
+    fields = _completion_fields(completion_text="mail boss@acme.com")
+    del fields["completion_token_ids"], fields["logprobs"]
+    assert not redact_completion(fields, redact)  # nothing to drop: not counted
+    assert fields["prompt_token_ids"] == [1, 2, 3] and fields["completion_text"] == "mail [REDACTED_EMAIL]"
+
+
+def test_the_client_sends_redacted_completions_without_their_token_data(tmp_path) -> None:
+    fw, transport = _client(tmp_path, redactor=lambda text: text.replace("ACME-CORP", "[CUSTOMER]"))
+    with fw.session() as s:
+        secret = s.completion(
+            model="m",
+            completion_text="write to boss@acme.com",
+            prompt_text="hi",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3, 4],
+            logprobs=[-1.0, -2.0],
+        )
+        prompt = s.completion(
+            model="m",
+            completion_text="ok",
+            prompt_text="from ACME-CORP",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3, 4],
+            logprobs=[-1.0, -2.0],
+        )
+        clean = s.completion(
+            model="m",
+            completion_text="ok",
+            prompt_text="hi",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3, 4],
+            logprobs=[-1.0, -2.0],
+        )
+    assert fw.flush(10)
+    fw.close()
+    sent = {e.completion_id: e for e in transport.events() if e.type == "completion"}
+    assert sent[secret].completion_token_ids is None and sent[secret].logprobs is None
+    assert sent[secret].prompt_token_ids == [1, 2] and sent[secret].completion_text == "write to [REDACTED_EMAIL]"
+    assert sent[prompt].prompt_token_ids is None and sent[prompt].completion_token_ids == [3, 4]
+    assert sent[prompt].logprobs == [-1.0, -2.0]
+    assert (sent[clean].prompt_token_ids, sent[clean].completion_token_ids) == ([1, 2], [3, 4])
+    assert fw.stats.token_data_redacted == 2 and fw.stats.invalid == 0
+
+
+def test_without_redaction_token_data_is_kept(tmp_path) -> None:
+    fw, transport = _client(tmp_path, redact=False)
+    fw.session().completion(
+        model="m",
+        completion_text="boss@acme.com",
+        prompt_text="boss@acme.com",
+        prompt_token_ids=[1],
+        completion_token_ids=[2],
+        logprobs=[-1.0],
+    )
+    assert fw.flush(10)
+    fw.close()
+    (event,) = [e for e in transport.events() if e.type == "completion"]
+    assert (event.prompt_token_ids, event.completion_token_ids, event.logprobs) == ([1], [2], [-1.0])
+    assert fw.stats.token_data_redacted == 0
