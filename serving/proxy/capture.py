@@ -22,6 +22,7 @@ counted (``flywheel_router_capture_dropped_total{reason}``).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import queue
@@ -48,6 +49,7 @@ from flywheel.core.openai_fields import (
     parse_text_completion,
     request_fields,
 )
+from flywheel.core.redact import RedactFn, redact_completion
 from flywheel.core.settings import Settings
 
 log = logging.getLogger("flywheel.serving.capture")
@@ -79,6 +81,8 @@ class Capture:
         logprobs = payload.get("logprobs")
         self.keep_logprobs = given(logprobs) and logprobs is not False
         self.stream = StreamAccumulator(kind)
+        self.redacted = 0
+        """Completions whose token data redaction dropped."""
         self._sse_tail = b""
 
     @classmethod
@@ -170,9 +174,15 @@ class Capture:
     # -- the events ------------------------------------------------------------------------
 
     def events(
-        self, results: list[dict[str, Any]], policy_version: str, model: str | None, served_by: str | None
+        self,
+        results: list[dict[str, Any]],
+        policy_version: str,
+        model: str | None,
+        served_by: str | None,
+        redactor: RedactFn | None = None,
     ) -> list[Completion]:
-        """One ``completion`` event per choice (in index order) of the answer."""
+        """One ``completion`` event per choice (in index order) of the answer; with ``redactor``, its texts
+        redacted and the token data of every text it changed dropped (counted in :attr:`redacted`)."""
         latency_ms = (time.monotonic() - self.started) * 1000.0
         events = []
         for position, fields in enumerate(results):
@@ -180,6 +190,9 @@ class Capture:
             if not isinstance(index, int) or not 0 <= index < len(self.ids):
                 continue
             completion_id = self.ids[index]
+            content = {**copy.deepcopy(self.request), "model": self.request.get("model") or model or "", **fields}
+            if redactor is not None and redact_completion(content, redactor):
+                self.redacted += 1
             events.append(
                 Completion(
                     event_id=completion_id,
@@ -190,15 +203,16 @@ class Capture:
                     policy_version=as_name(policy_version) or "unknown",
                     served_by=served_by,
                     latency_ms=min(latency_ms, 86_400_000.0),
-                    **{**self.request, "model": self.request.get("model") or model or ""},
-                    **fields,
+                    **content,
                 )
             )
         return events
 
-    def stream_events(self, policy_version: str, served_by: str | None) -> list[Completion]:
+    def stream_events(
+        self, policy_version: str, served_by: str | None, redactor: RedactFn | None = None
+    ) -> list[Completion]:
         """The events of a stream that ended (whole or cut short: what was received)."""
-        return self.events(self.stream.results(), policy_version, self.stream.model, served_by)
+        return self.events(self.stream.results(), policy_version, self.stream.model, served_by, redactor)
 
 
 class CaptureSink:

@@ -69,6 +69,7 @@ from flywheel.core.contracts import headers
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import Checkpoint, Deployment, Replica
 from flywheel.core.endpoints import postgres_url
+from flywheel.core.redact import Redactor
 from flywheel.core.settings import ServingSettings, Settings, get_settings
 from serving.proxy import routing
 from serving.proxy.access import AccessDenied, RateLimiter, check_key, retry_after_header
@@ -227,6 +228,11 @@ class Metrics:
             "flywheel_router_captured", "Completions captured as events and acknowledged by Kafka",
             registry=self.registry,
         )  # fmt: skip
+        self.capture_redacted = Counter(
+            "flywheel_router_capture_token_data_redacted",
+            "Captured completions sent without the token data of a text redaction changed",
+            registry=self.registry,
+        )  # fmt: skip
         self.capture_dropped = counter(
             "flywheel_router_capture_dropped",
             "Captured completions not sent (buffer_full, too_large, kafka_error, invalid, unparsable, stream_failed)",
@@ -285,6 +291,7 @@ class Router:
         """Keys used since the last read (their ``last_used_at`` is written with the next read)."""
         self.limiter = RateLimiter(self.cfg.key_rate_per_s, self.cfg.key_burst)
         self.capture: CaptureSink | None = None
+        self._redactor = Redactor() if self.cfg.capture.redact else None
         if self.cfg.capture.projects:
             self.capture = CaptureSink(
                 settings,
@@ -737,7 +744,7 @@ class Router:
             log.warning("router: cannot capture an answer from %s: %s", attempt.name, err)
             self.metrics.capture_dropped.labels("unparsable").inc(capture.n)
             return data
-        self._offer(capture, lambda: capture.events(results, attempt.version, None, attempt.name))
+        self._offer(capture, lambda: capture.events(results, attempt.version, None, attempt.name, self._redactor))
         return body
 
     def _offer(self, capture: Capture, make: Callable[[], list[Any]]) -> None:
@@ -748,6 +755,8 @@ class Router:
             log.warning("router: a captured completion is not a valid event: %s", err)
             self.metrics.capture_dropped.labels("invalid").inc(capture.n)
             return
+        if capture.redacted:
+            self.metrics.capture_redacted.inc(capture.redacted)
         self.capture.offer(events)
 
     async def _stream(
@@ -791,7 +800,7 @@ class Router:
                 rest = capture.stream_rest()
                 if rest:
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
-                self._offer(capture, lambda: capture.stream_events(attempt.version, attempt.name))
+                self._offer(capture, lambda: capture.stream_events(attempt.version, attempt.name, self._redactor))
         except (TimeoutError, aiohttp.ClientError) as err:
             self._failure(attempt.url, "stream", f"{type(err).__name__}: {err}")
             self.metrics.stream_errors.labels(attempt.name).inc()

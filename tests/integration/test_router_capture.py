@@ -314,3 +314,15 @@ def test_the_sdk_and_the_router_record_one_completion_under_one_id(
             event.completion_text, event.completion_token_ids,
         )  # fmt: skip
     assert sorted(text.values()) == [e.completion_text for e in sdk]
+
+
+def test_captured_text_is_redacted_and_loses_the_token_data_of_what_changed(served: Served) -> None:
+    raw = client(served).chat.completions.with_raw_response.create(
+        model=served.model, messages=[{"role": "user", "content": "mail ann@example.com: 2+2="}], max_tokens=4
+    )
+    assert raw.parse().choices[0].message.content is not None
+    [event] = read_completions(served, header_ids(raw.headers)).values()
+    assert event.prompt_messages[0].content == "mail [REDACTED_EMAIL]: 2+2="
+    assert event.prompt_token_ids is None  # the e-mail is one decode away in them
+    if "@" not in event.completion_text:  # the model did not write one: its side keeps its token data
+        assert event.completion_token_ids and event.logprobs

@@ -155,3 +155,27 @@ def test_a_full_buffer_drops_and_counts_never_blocks() -> None:
     assert len(producer.sent) == 6 - drops.count("buffer_full") and sum(sent) == len(producer.sent)
     ids = {uuid.UUID(json.loads(v)["completion_id"]) for v in producer.sent}
     assert ids <= set(capture.ids)
+
+
+def test_captured_text_is_redacted_and_the_token_data_of_what_changed_is_dropped() -> None:
+    from flywheel.core.redact import Redactor
+
+    payload = {"model": "m", "messages": [{"role": "user", "content": "mail me at ann@example.com"}]}
+    capture = Capture.begin("/v1/chat/completions", payload, "shop", "s1")
+    assert capture is not None
+    answer = chat_answer()
+    answer["choices"][0]["message"]["content"] = "sure, bob@example.org"
+    _, results = capture.whole(json.dumps(answer).encode())
+    [event] = capture.events(results, "v7", None, "3", Redactor())
+    assert "@" not in event.completion_text and "@" not in (event.prompt_messages[0].content or "")
+    assert (event.prompt_token_ids, event.completion_token_ids, event.logprobs) == (None, None, None)
+    assert capture.redacted == 1
+    # the request as recorded for the next choice is untouched by this one's redaction
+    assert capture.request["prompt_messages"][0]["content"] == "mail me at ann@example.com"
+
+    clean = Capture.begin("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "2+3="}]},
+                          "shop", "s2")  # fmt: skip
+    assert clean is not None
+    _, results = clean.whole(json.dumps(chat_answer()).encode())
+    [kept] = clean.events(results, "v7", None, "3", Redactor())
+    assert (kept.prompt_token_ids, kept.completion_token_ids, clean.redacted) == ([1, 2, 3], [17], 0)

@@ -88,6 +88,9 @@ class CaptureSettings(BaseModel):
     """Captured events waiting for Kafka at most; a full buffer drops new ones (counted), never blocks."""
     max_event_bytes: int = Field(4 << 20, ge=1024, le=64 << 20)
     """A captured event larger than this is dropped (counted) rather than sent."""
+    redact: bool = True
+    """Apply the SDK's default redactor to what is captured (e-mail addresses, keys, tokens, card
+    numbers), dropping the token data of every text it changed, as the SDK does."""
 
     def covers(self, project: str | None) -> bool:
         """Whether the router captures the completions of ``project``."""
