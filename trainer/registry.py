@@ -12,7 +12,7 @@ so a killed worker never leaves the lock behind; its ``running`` row is then mar
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Set
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -100,19 +100,23 @@ def latest_trained_id(session: Session) -> str | None:
 def pending_lineage_tip(
     stable_id: str,
     checkpoints: list[tuple[str, str | None, str]],
-    active_canaries: set[str],
+    active_canaries: Set[str],
+    tried: Set[str] = frozenset(),
 ) -> str:
     """The newest checkpoint that descends from the stable through checkpoints still on trial.
 
-    ``checkpoints``: ``(id, parent_id, status)``, oldest first. A checkpoint is *on trial* when
-    it passed the gate and was never deployed (``candidate``) or is an active canary now. The
+    ``checkpoints``: ``(id, parent_id, status)``, oldest first; ``tried``: every checkpoint that
+    ever had a deployment (any role, any end). A checkpoint is *on trial* when it passed the gate
+    and was never deployed (``candidate`` and not in ``tried``) or is an active canary now (a
+    canary keeps its ``candidate`` status until promoted, so a rolled-back one is in ``tried``
+    and no longer on trial). The
     tip is the newest on-trial checkpoint whose every ancestor up to ``stable_id`` is on trial
     too; without one, the stable itself. So training continues from the newest checkpoint
     not yet judged by live traffic, and a lineage whose member was rolled back (or rejected)
     is abandoned at once: nothing below it is ever trained from again.
     """
     parents = {cid: parent for cid, parent, _ in checkpoints}
-    on_trial = {cid for cid, _, status in checkpoints if status == "candidate"} | active_canaries
+    on_trial = {cid for cid, _, status in checkpoints if status == "candidate" and cid not in tried} | active_canaries
     for cid, _, _ in reversed(checkpoints):
         node, seen = cid, set()
         while node in on_trial and node not in seen:
@@ -128,12 +132,11 @@ def lineage_tip_id(session: Session, stable_id: str) -> str:
     rows = session.execute(
         select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status).order_by(Checkpoint.created_at, Checkpoint.id)
     ).all()
-    canaries = set(
-        session.scalars(
-            select(Deployment.checkpoint_id).where(Deployment.status == "active", Deployment.role == "canary")
-        )
-    )
-    return pending_lineage_tip(stable_id, [tuple(r) for r in rows], canaries)
+    deployments = session.execute(select(Deployment.checkpoint_id, Deployment.role, Deployment.status)).all()
+    # A canary being deployed (pending) is on trial as much as an active one.
+    canaries = {cid for cid, role, status in deployments if role == "canary" and status in ("active", "pending")}
+    tried = {cid for cid, _, _ in deployments}
+    return pending_lineage_tip(stable_id, [tuple(r) for r in rows], canaries, tried)
 
 
 def get_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:

@@ -226,6 +226,32 @@ def test_a_clearly_worse_canary_is_rolled_back_with_its_numbers(engine: Engine, 
     assert run_once(engine, make_settings(engine, tmp_path)) is None  # no active canary any more
 
 
+def test_the_trainer_leaves_a_rolled_back_canarys_lineage(engine: Engine, tmp_path: Path) -> None:
+    """A canary keeps ``candidate`` after its rollback; the trainer's lineage must still drop it.
+
+    Before the fix the trainer kept extending the rolled-back lineage (its members looked on
+    trial) while the controller, which deploys only children of the stable, never deployed any
+    of them: the loop stalled after the first rollback.
+    """
+    from trainer.registry import lineage_tip_id
+
+    setup_fleet(engine)
+    with Session(engine) as session:
+        session.add(Checkpoint(id="child", policy_version="child", parent_id=CANARY, base_model="tiny",
+                               path="/nonexistent/child", format="full", status="candidate"))  # fmt: skip
+        session.get(Checkpoint, CANARY).parent_id = STABLE
+        session.commit()
+    with Session(engine) as session:
+        assert lineage_tip_id(session, STABLE) == "child"  # the canary is on trial: train on from its child
+    add_sessions(engine, STABLE, 1500, 750)
+    add_sessions(engine, CANARY, 150, 30)
+    decision = run_once(engine, make_settings(engine, tmp_path))
+    assert decision is not None and decision.action == "rollback"
+    with Session(engine) as session:
+        assert session.get(Checkpoint, CANARY).status == "candidate"  # what makes the tried set needed
+        assert lineage_tip_id(session, STABLE) == STABLE
+
+
 def test_a_good_canary_steps_up_then_collects_at_the_new_step(engine: Engine, tmp_path: Path) -> None:
     canary_id = setup_fleet(engine)
     add_sessions(engine, STABLE, 5000, 2500)

@@ -102,6 +102,14 @@ def test_lineage_tip_follows_checkpoints_on_trial_and_drops_a_rolled_back_branch
     assert pending_lineage_tip(S, rows, active_canaries={"c1"}) == "c3"
     # c1 rolled back (no longer an active canary, status stays "deployed"): c2 and c3 are abandoned
     assert pending_lineage_tip(S, rows, active_canaries=set()) == S
+    # as the fleet leaves it: a canary keeps "candidate" until promoted, and a rolled-back one was tried
+    as_left = [(cid, parent, "candidate" if cid == "c1" else status) for cid, parent, status in rows]
+    assert pending_lineage_tip(S, as_left, active_canaries={"c1"}, tried={"c1"}) == "c3"
+    assert pending_lineage_tip(S, as_left, active_canaries=set(), tried={"c1"}) == S
+    # without the tried set the rolled-back canary would still look on trial (the stall this guards)
+    assert pending_lineage_tip(S, as_left, active_canaries=set()) == "c3"
+    # a candidate that failed its swap (tried, never active) is not on trial either
+    assert pending_lineage_tip(S, [*as_left, ("c5", S, "candidate")], set(), tried={"c1", "c5"}) == S
     # a newer sibling trained from the stable wins over an older branch
     assert pending_lineage_tip(S, [*rows, ("c4", S, "candidate")], active_canaries={"c1"}) == "c4"
     # only the stable: train from it; a rejected tip is skipped for its on-trial parent
