@@ -11,11 +11,14 @@ client. A call made inside a session (the current one of this context, or an exp
 - the policy version: the router's ``x-flywheel-policy-version`` response header, else
   the served model name; the replica (its public id) from ``x-flywheel-replica`` when present;
 - token ids and sampling logprobs. Unless ``request_token_data=False``, the wrapper asks
-  vLLM for them where the agent did not choose otherwise: ``extra_body``
-  ``{"return_token_ids": true}``, ``logprobs=True, top_logprobs=0`` (chat) or
-  ``logprobs=0`` (text); vLLM then adds ``token_ids`` / ``prompt_token_ids`` to the
-  choices / response. Turn it off for servers other than vLLM (OpenAI's API refuses
-  unknown fields);
+  for them where the agent did not choose otherwise: ``logprobs=True, top_logprobs=0``
+  (chat) or ``logprobs=0`` (text), and vLLM's own ``extra_body``
+  ``{"return_token_ids": true}``, with which vLLM adds ``token_ids`` / ``prompt_token_ids``
+  to the choices / response. With ``request_token_data="auto"`` (the default of :func:`wrap`)
+  the vLLM-only field is not sent to the vendor APIs in :data:`VENDOR_HOSTS`, which refuse
+  unknown fields, and a call another server refuses (HTTP 400 or 422 naming a field the
+  wrapper added) is made again without that field, which this client then no longer
+  sends (see :class:`TokenDataPolicy`); ``True`` always asks, ``False`` never;
 - the latency as the client saw it (to the end of the stream, for a stream).
 
 Inside a session (logged or not sampled) the wrapper also sends the request header
@@ -34,12 +37,15 @@ it may now see, and a private attribute carrying the completion ids (see
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import openai
 from openai import AsyncStream, Stream
@@ -67,6 +73,17 @@ COMPLETION_IDS_HEADER = headers.COMPLETION_IDS
 IDS_ATTRIBUTE = "_flywheel_completion_ids"
 """Private attribute set on a logged response: the completion ids, one per choice."""
 C = TypeVar("C")
+POLICY_ATTRIBUTE = "_flywheel_token_data"
+"""Private attribute set on a wrapped client: its :class:`TokenDataPolicy`."""
+
+VENDOR_HOSTS = ("api.openai.com", "*.openai.azure.com")
+"""Hosts of vendor APIs that refuse vLLM's own request fields (``*.`` matches any subdomain): with
+``request_token_data="auto"`` the wrapper does not send them there."""
+VLLM_ONLY_FIELDS = ("return_token_ids",)
+"""The ``extra_body`` fields the wrapper adds that only vLLM understands."""
+REFUSAL_STATUSES = (400, 422)
+
+RequestTokenData = bool | Literal["auto"]
 
 
 # -- request ---------------------------------------------------------------------------------
@@ -80,21 +97,30 @@ def _given(value: Any) -> bool:
 __all__ = [  # what the SDK's tests and users import from here; the field parsing lives in the core
     "StreamAccumulator", "aligned_logprobs", "as_name", "completion_ids", "normalize_message",
     "parse_chat_completion", "parse_text_completion", "prepare_request", "request_fields",
-    "sampling_params", "wrap",
+    "sampling_params", "token_data_policy", "vendor_host", "wrap",
 ]  # fmt: skip
 
 
-def prepare_request(kind: Kind, kwargs: Mapping[str, Any], *, request_token_data: bool) -> tuple[dict[str, Any], bool]:
+def prepare_request(
+    kind: Kind,
+    kwargs: Mapping[str, Any],
+    *,
+    request_token_data: bool,
+    vllm_fields: bool = True,
+    logprobs: bool = True,
+) -> tuple[dict[str, Any], bool]:
     """The call's keyword arguments with the token-data options added; and whether usage was requested for us.
 
-    Only options the agent left unset are added: ``return_token_ids`` in ``extra_body``,
-    ``logprobs`` (and ``top_logprobs=0`` for chat), and for streams ``include_usage``.
+    Only options the agent left unset are added: ``return_token_ids`` in ``extra_body`` (unless
+    ``vllm_fields`` is false), ``logprobs`` (and ``top_logprobs=0`` for chat; unless ``logprobs``
+    is false), and for streams ``include_usage``.
     """
     out = dict(kwargs)
-    if request_token_data:
+    if request_token_data and vllm_fields:
         extra = dict(out["extra_body"]) if isinstance(out.get("extra_body"), Mapping) else {}
         extra.setdefault("return_token_ids", True)
         out["extra_body"] = extra
+    if request_token_data and logprobs:
         if not _given(out.get("logprobs")):
             if kind == "chat":
                 out["logprobs"] = True
@@ -125,6 +151,123 @@ def with_session_header(kwargs: Mapping[str, Any], session_id: str | None) -> di
     headers[SESSION_HEADER] = session_id
     out["extra_headers"] = headers
     return out
+
+
+def vendor_host(base_url: Any) -> bool:
+    """Whether ``base_url`` (a URL or the client's ``base_url``) is on a host in :data:`VENDOR_HOSTS`."""
+    host = (getattr(base_url, "host", None) or _host_of(str(base_url))).lower().rstrip(".")
+    for pattern in VENDOR_HOSTS:
+        if pattern.startswith("*."):
+            if host.endswith(pattern[1:]):
+                return True
+        elif host == pattern:
+            return True
+    return False
+
+
+def _host_of(url: str) -> str:
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0].rsplit("@", 1)[-1].split(":", 1)[0]
+
+
+def injected_fields(given: Mapping[str, Any], prepared: Mapping[str, Any]) -> frozenset[str]:
+    """The token-data request fields :func:`prepare_request` added to ``given`` (not the agent's own)."""
+    added = set()
+    extra_given = given.get("extra_body") if isinstance(given.get("extra_body"), Mapping) else {}
+    extra_prepared = prepared.get("extra_body") if isinstance(prepared.get("extra_body"), Mapping) else {}
+    added.update(f for f in VLLM_ONLY_FIELDS if f in extra_prepared and f not in extra_given)
+    added.update(f for f in ("logprobs", "top_logprobs") if _given(prepared.get(f)) and not _given(given.get(f)))
+    return frozenset(added)
+
+
+def refused_fields(error: BaseException, injected: frozenset[str]) -> frozenset[str]:
+    """The fields among ``injected`` that ``error`` (an HTTP 400 or 422 from the server) names, if it is one."""
+    if not isinstance(error, openai.APIStatusError) or error.status_code not in REFUSAL_STATUSES or not injected:
+        return frozenset()
+    try:
+        text = f"{error.message} {json.dumps(error.body, default=str)}"
+    except (TypeError, ValueError):
+        text = str(error.message)
+    return frozenset(f for f in injected if re.search(rf"(?<![A-Za-z0-9_]){f}(?![A-Za-z0-9_])", text))
+
+
+def without_fields(prepared: Mapping[str, Any], given: Mapping[str, Any], fields: frozenset[str]) -> dict[str, Any]:
+    """``prepared`` without the token-data ``fields`` it added (``logprobs`` and ``top_logprobs`` go together)."""
+    out = dict(prepared)
+    if fields & set(VLLM_ONLY_FIELDS):
+        extra = {k: v for k, v in out.get("extra_body", {}).items() if k not in fields}
+        if extra or isinstance(given.get("extra_body"), Mapping):
+            out["extra_body"] = extra
+        else:
+            out.pop("extra_body", None)
+    if fields & {"logprobs", "top_logprobs"}:
+        for name in ("logprobs", "top_logprobs"):
+            if name in given:
+                out[name] = given[name]
+            else:
+                out.pop(name, None)
+    return out
+
+
+class TokenDataPolicy:
+    """Which token-data fields one wrapped client asks for, and what its server has refused.
+
+    ``mode`` is the wrapper's ``request_token_data``: ``True`` always asks (vLLM's own fields and
+    logprobs), ``False`` never, ``"auto"`` asks for vLLM's fields unless the client's base URL is
+    on a vendor host (:data:`VENDOR_HOSTS`) and, when the server refuses a field the wrapper added
+    (HTTP 400 or 422 naming it), makes the call once more without it and stops sending it: vLLM's
+    fields for the whole client, logprobs for that model. Each refusal is counted in the client's
+    ``token_data_refused`` counter; the first of each kind is logged as a warning.
+    """
+
+    def __init__(self, mode: RequestTokenData, base_url: Any):
+        if mode not in (True, False, "auto"):
+            raise ValueError(f"request_token_data must be True, False or 'auto', got {mode!r}")
+        self.mode = mode
+        self.vllm_fields = mode is True or (mode == "auto" and not vendor_host(base_url))
+        self.no_logprobs_models: set[str] = set()
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def options(self, model: Any) -> dict[str, bool]:
+        """The :func:`prepare_request` options for a call to ``model``."""
+        with self._lock:
+            return {
+                "request_token_data": self.mode is not False,
+                "vllm_fields": self.vllm_fields,
+                "logprobs": str(model) not in self.no_logprobs_models,
+            }
+
+    def retry_kwargs(
+        self, fw: Flywheel, error: BaseException, given: Mapping[str, Any], prepared: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """The keyword arguments to try once more after ``error``, or ``None`` to let it propagate."""
+        if self.mode != "auto":
+            return None
+        refused = refused_fields(error, injected_fields(given, prepared))
+        if not refused:
+            return None
+        model = str(given.get("model", ""))
+        first = []
+        with self._lock:
+            if refused & set(VLLM_ONLY_FIELDS):
+                self.vllm_fields = False
+            if refused & {"logprobs", "top_logprobs"}:
+                self.no_logprobs_models.add(model)
+            for name in sorted(refused):
+                key = name if name in VLLM_ONLY_FIELDS else f"{name}:{model}"
+                if key not in self._warned:
+                    self._warned.add(key)
+                    first.append(name)
+        fw._counters.add("token_data_refused")
+        if first:
+            log.warning(
+                "flywheel: the server refused %s (HTTP %s); the call is made again without it, and this client "
+                "no longer asks for it%s, so its completions are logged without that token data",
+                ", ".join(first), getattr(error, "status_code", "?"),
+                "" if set(first) <= set(VLLM_ONLY_FIELDS) else f" from model {model!r}",
+            )  # fmt: skip
+        return without_fields(prepared, given, refused)
 
 
 # -- response --------------------------------------------------------------------------------
@@ -319,7 +462,7 @@ def _target_scope(explicit: Any) -> Scope | None:
 
 
 def _begin(
-    fw: Flywheel, kind: Kind, kwargs: dict[str, Any], token_data: bool
+    fw: Flywheel, kind: Kind, kwargs: dict[str, Any], policy: TokenDataPolicy
 ) -> tuple[_Call, dict[str, Any], bool] | None:
     """Prepare the logged version of a call, or ``None`` to make it unlogged (no session, or a failure).
 
@@ -332,7 +475,7 @@ def _begin(
     if scope is None:
         return None
     try:
-        call_kwargs, injected = prepare_request(kind, kwargs, request_token_data=token_data)
+        call_kwargs, injected = prepare_request(kind, kwargs, **policy.options(kwargs.get("model")))
         n = kwargs.get("n") if isinstance(kwargs.get("n"), int) else 1
         call = _Call(fw, scope, kind, request_fields(kind, kwargs), n, time.perf_counter())
     except Exception as err:  # an odd request must not break the agent's call; counted and logged, sent unlogged
@@ -360,17 +503,25 @@ def _finish(call: _Call, raw: Any, injected: bool, parse: Any) -> Any:
     return parse
 
 
-def _sync_create(fw: Flywheel, kind: Kind, resource: Any, token_data: bool) -> Any:
+def _sync_create(fw: Flywheel, kind: Kind, resource: Any, policy: TokenDataPolicy) -> Any:
     original = resource.create
     raw_create = resource.with_raw_response.create
 
     def create(*args: Any, **kwargs: Any) -> Any:
-        begun = _begin(fw, kind, kwargs, token_data)
+        begun = _begin(fw, kind, kwargs, policy)
         if begun is None:
             return original(*args, **kwargs)
         call, call_kwargs, injected = begun
-        call.started = time.perf_counter()
-        raw = raw_create(*args, **call_kwargs)
+        while True:  # again without a field the server refused (each field at most once)
+            call.started = time.perf_counter()
+            try:
+                raw = raw_create(*args, **call_kwargs)
+                break
+            except openai.APIStatusError as err:
+                retry = policy.retry_kwargs(fw, err, kwargs, call_kwargs)
+                if retry is None:
+                    raise
+                call_kwargs = retry
         return _finish(call, raw, injected, raw.parse())
 
     create.__wrapped__ = original  # type: ignore[attr-defined]
@@ -378,17 +529,25 @@ def _sync_create(fw: Flywheel, kind: Kind, resource: Any, token_data: bool) -> A
     return create
 
 
-def _async_create(fw: Flywheel, kind: Kind, resource: Any, token_data: bool) -> Any:
+def _async_create(fw: Flywheel, kind: Kind, resource: Any, policy: TokenDataPolicy) -> Any:
     original = resource.create
     raw_create = resource.with_raw_response.create
 
     async def create(*args: Any, **kwargs: Any) -> Any:
-        begun = _begin(fw, kind, kwargs, token_data)
+        begun = _begin(fw, kind, kwargs, policy)
         if begun is None:
             return await original(*args, **kwargs)
         call, call_kwargs, injected = begun
-        call.started = time.perf_counter()
-        raw = await raw_create(*args, **call_kwargs)
+        while True:  # again without a field the server refused (each field at most once)
+            call.started = time.perf_counter()
+            try:
+                raw = await raw_create(*args, **call_kwargs)
+                break
+            except openai.APIStatusError as err:
+                retry = policy.retry_kwargs(fw, err, kwargs, call_kwargs)
+                if retry is None:
+                    raise
+                call_kwargs = retry
         return _finish(call, raw, injected, raw.parse())
 
     create.__wrapped__ = original  # type: ignore[attr-defined]
@@ -396,10 +555,17 @@ def _async_create(fw: Flywheel, kind: Kind, resource: Any, token_data: bool) -> 
     return create
 
 
-def wrap(client: C, fw: Flywheel, *, request_token_data: bool = True) -> C:
+def token_data_policy(client: Any) -> TokenDataPolicy | None:
+    """The :class:`TokenDataPolicy` of a wrapped client (what it asks for, what was refused), else ``None``."""
+    return getattr(client, POLICY_ATTRIBUTE, None)
+
+
+def wrap(client: C, fw: Flywheel, *, request_token_data: RequestTokenData = "auto") -> C:
     """Patch ``client`` (``openai.OpenAI`` or ``openai.AsyncOpenAI``) to log its completions into ``fw``; returns it.
 
-    Wrapping the same client twice is a no-op. Copies made later with
+    ``request_token_data``: ``"auto"`` (ask for token ids and logprobs where the server accepts
+    them), ``True`` (always ask, vLLM's own fields included) or ``False`` (never); see
+    :class:`TokenDataPolicy`. Wrapping the same client twice is a no-op. Copies made later with
     ``client.with_options(...)`` are not wrapped; wrap them too.
     """
     if getattr(client, "_flywheel_wrapped", None) is fw:
@@ -407,10 +573,12 @@ def wrap(client: C, fw: Flywheel, *, request_token_data: bool = True) -> C:
     is_async = isinstance(client, openai.AsyncOpenAI)
     if not is_async and not isinstance(client, openai.OpenAI):
         raise TypeError(f"expected an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}")
+    policy = TokenDataPolicy(request_token_data, client.base_url)
     make = _async_create if is_async else _sync_create
     chat_resource = client.chat.completions
     text_resource = client.completions
-    chat_resource.create = make(fw, "chat", chat_resource, request_token_data)
-    text_resource.create = make(fw, "text", text_resource, request_token_data)
+    chat_resource.create = make(fw, "chat", chat_resource, policy)
+    text_resource.create = make(fw, "text", text_resource, policy)
+    setattr(client, POLICY_ATTRIBUTE, policy)
     client._flywheel_wrapped = fw  # type: ignore[attr-defined]
     return client

@@ -250,7 +250,8 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        names = ("sent", "spooled", "replayed", "dropped", "invalid", "send_failures", "errors", "token_data_redacted")
+        names = ("sent", "spooled", "replayed", "dropped", "invalid", "send_failures", "errors", "token_data_redacted",
+                 "token_data_refused")  # fmt: skip
         self.values = {name: 0 for name in names}
 
     def add(self, name: str, count: int = 1) -> None:
