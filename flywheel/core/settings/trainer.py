@@ -245,8 +245,8 @@ class TrainerSettings(BaseModel):
     parent: Literal["stable", "latest", "lineage"] = "stable"
     """What a cycle trains from: the stable deployment's checkpoint (else the base); the newest candidate;
     or ``lineage``: the newest checkpoint descending from the stable through checkpoints still on trial
-    (gated candidates never deployed, and the active canary), so training goes on while a canary is judged and a rolled-back
-    lineage is dropped (``trainer.registry.pending_lineage_tip``)."""
+    (gated candidates never deployed, and the active canary), so training goes on while a canary is judged
+    and a rolled-back lineage is dropped (``trainer.registry.pending_lineage_tip``)."""
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
     """Beat interval, time limit, queue."""
     data: DataSettings = Field(default_factory=DataSettings)
