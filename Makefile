@@ -10,12 +10,13 @@ PY := $(VENV)/bin/python
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit test-compose lint up down status model bench-byo bench-% lock clean help
+.PHONY: setup demo test test-unit test-compose test-sdk-compat lint up down status model bench-byo bench-% lock clean help
 
 help:
 	@echo "make demo   - set up, start the local stack, run the main job, shut down"
 	@echo "make test   - set up, start what the tests need, run the lint checks and the whole test suite"
 	@echo "make test-compose - the production compose project in a real Docker engine, the loop through its ingresses (as root)"
+	@echo "make test-sdk-compat - the SDK's tests at the lowest and the highest versions its dependency ranges allow"
 	@echo "make lint   - unique test basenames, the layer contracts (lint-imports), ruff check, ruff format --check"
 	@echo "make up / make down / make status - the local stack alone"
 	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
@@ -64,6 +65,10 @@ test: setup lint
 	$(FLYWHEEL) model build
 	@scripts/ensure-chromium.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The SDK alone in fresh venvs at both ends of its dependency ranges (scripts/sdk-compat.sh).
+test-sdk-compat:
+	scripts/sdk-compat.sh
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

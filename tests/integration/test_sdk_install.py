@@ -49,3 +49,26 @@ def test_sdk_import_loads_no_service_modules():
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "", f"importing the SDK loaded {out.stdout.strip()}"
+
+
+def test_the_sdk_declares_ranges_and_the_services_pin_them():
+    """A library must not dictate its host's versions: each SDK requirement is a bounded range
+    (scripts/sdk-compat.sh tests both ends); the service extra pins the same packages exactly."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    sdk = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["sdk"]]
+    for req in sdk:
+        ops = {spec.operator for spec in req.specifier}
+        assert ops == {">=", "<"}, f"SDK requirement {req} is not a range with a lower and an upper bound"
+    pinned = {
+        Requirement(r).name: Requirement(r).specifier
+        for r in project["optional-dependencies"]["service"]
+        if not r.startswith("flywheel-rl")
+    }
+    for req in sdk:
+        assert req.name in pinned, f"the service extra does not pin {req.name}"
+        (spec,) = pinned[req.name]
+        assert spec.operator == "==" and req.specifier.contains(spec.version), (req, spec)

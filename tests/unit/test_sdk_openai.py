@@ -11,8 +11,8 @@ import asyncio
 import json
 from typing import Any
 
-import httpx2
 import openai
+import openai._base_client
 import pytest
 from openai.types import Completion as TextCompletion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -37,6 +37,9 @@ from flywheel.sdk.openai import (
     wrap,
 )
 from flywheel.sdk.transports.memory import MemoryTransport
+
+httpx2 = getattr(openai._base_client, "httpx2", None) or openai._base_client.httpx
+"""The HTTP library of the installed openai client (httpx2 from 3.x, httpx before): tests build its responses."""
 
 
 def chat_response(**extra: Any) -> ChatCompletion:
@@ -148,7 +151,7 @@ def test_prepare_request_adds_only_what_the_agent_left_unset() -> None:
         request_token_data=True,
     )
     assert (out["top_logprobs"], out["stream_options"], injected) == (3, {"include_usage": False}, False)
-    out, _ = prepare_request("text", {"model": "m", "logprobs": openai.omit}, request_token_data=True)
+    out, _ = prepare_request("text", {"model": "m", "logprobs": openai.Omit()}, request_token_data=True)
     assert out["logprobs"] == 0
     out, injected = prepare_request("chat", {"model": "m"}, request_token_data=False)
     assert out == {"model": "m"} and not injected
