@@ -16,6 +16,9 @@ topic (keyed by session id, or by completion id for feedback that names no sessi
   the setting and its value);
 - 400: a body that is not ``{"events": [...]}``; 503: Kafka did not acknowledge (retry:
   event ids make a retry harmless).
+
+``POST /v1/traces`` takes OpenTelemetry (OTLP/HTTP) trace exports with the same key
+(:mod:`ingest.otlp_route`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from flywheel.core.endpoints import kafka_bootstrap, postgres_url
 from flywheel.core.settings import Settings
 from ingest import metrics
 from ingest.limits import Limits, check_record_limit
+from ingest.otlp_route import register as register_otlp
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +345,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.keys = keys
+    register_otlp(app, settings=settings, keys=keys, producer=lambda: state["producer"], topic=topic, limits=limits)
 
     @app.post(
         "/v1/events",

@@ -52,6 +52,18 @@ UNKNOWN_FIELDS = Counter(
     ["stage"],
 )
 
+OTLP_REQUESTS = Counter(
+    "flywheel_ingest_otlp_requests", "Gateway requests to /v1/traces (OTLP), by status.", ["status"]
+)
+OTLP_SPANS = Counter(
+    "flywheel_ingest_otlp_spans", "OTLP spans received on /v1/traces, by outcome (mapped, rejected).", ["outcome"]
+)
+OTLP_REJECTED = Counter(
+    "flywheel_ingest_otlp_rejected_spans",
+    "OTLP spans that could not be mapped to events (reported in the export's partial success), by reason.",
+    ["reason"],
+)
+
 
 def serve(port: int | None, addr: str = "0.0.0.0") -> bool:
     """Serve ``/metrics`` on ``port`` in a background thread; False when ``port`` is None."""

@@ -16,6 +16,14 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 """Default of ``ingest.max_body_bytes`` (and of the SDK's ``FLYWHEEL_MAX_BODY_BYTES``)."""
 
 
+class OtlpSettings(BaseModel):
+    """The gateway's OTLP trace intake (``POST /v1/traces``)."""
+
+    session_attribute: str | None = Field(None, min_length=1, max_length=256)
+    """A span attribute that names the session, used when a span has neither ``gen_ai.conversation.id``
+    nor ``session.id`` (e.g. ``app.thread_id``); else a span's session is its trace's."""
+
+
 class IngestSettings(BaseModel):
     """Topics, the Kafka-to-Postgres consumer and the HTTP gateway."""
 
@@ -71,6 +79,9 @@ class IngestSettings(BaseModel):
     time in its UUIDv7 completion id (the SDK mints the id when it logs the completion)."""
     feedback_sweep_max: int = Field(500, ge=1, le=100000)
     """Most pending feedback rows one lookup round handles."""
+
+    otlp: OtlpSettings = Field(default_factory=OtlpSettings)
+    """OTLP trace intake on the gateway (``POST /v1/traces``)."""
 
     @model_validator(mode="after")
     def _body_holds_an_event(self) -> IngestSettings:
