@@ -47,15 +47,15 @@ from flywheel.core.contracts.topics import events_topic
 from flywheel.core.db.engine import session_factory
 from flywheel.core.endpoints import kafka_bootstrap, postgres_url
 from flywheel.core.settings import Settings
-from ingest import metrics
+from ingest import feedback, metrics
 from ingest.limits import Limits, check_record_limit
 from ingest.otlp_route import register as register_otlp
 
 log = logging.getLogger(__name__)
 
 PRODUCE_TIMEOUT_S = 10.0
-PUBLIC_PATHS = frozenset({"/healthz"})
-"""The only paths the gateway serves without a key (liveness)."""
+PUBLIC_PATHS = frozenset({"/healthz", feedback.PATH})
+"""The only paths the gateway serves without a key: liveness, and browser feedback (a feedback token instead)."""
 """How long the gateway waits for Kafka's acknowledgement before answering 503."""
 
 
@@ -372,6 +372,8 @@ def create_app(
         _count(key, verdict)
         answer = IngestResponse(accepted=[str(e.event_id) for e in verdict.accepted], rejected=verdict.rejected)
         return JSONResponse(status_code=verdict.status, content=answer.model_dump())
+
+    feedback.register(app, settings, lambda: state["producer"], db_url, key_cache_ttl_s=key_cache_ttl_s)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:

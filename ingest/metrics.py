@@ -45,6 +45,11 @@ BATCH_SECONDS = Histogram(
 GATEWAY_ACCEPTED = Counter("flywheel_ingest_accepted", "Events the gateway accepted (acked by Kafka).", ["project"])
 GATEWAY_REJECTED = Counter("flywheel_ingest_rejected", "Events the gateway rejected, by reason kind.", ["kind"])
 GATEWAY_REQUESTS = Counter("flywheel_ingest_gateway_requests", "Gateway requests to /v1/events, by status.", ["status"])
+FEEDBACK_REQUESTS = Counter(
+    "flywheel_ingest_feedback_requests",
+    "Browser feedback requests to /v1/feedback (not preflights), by status.",
+    ["status"],
+)
 UNKNOWN_FIELDS = Counter(
     "flywheel_ingest_unknown_fields",
     "Valid events carrying fields this reader does not know (a newer SDK's, same schema version): kept and stored,"

@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from flywheel import __version__
+from flywheel.core import feedback_tokens
 from flywheel.core.contracts.events import FeedbackKind
 from flywheel.core.contracts.ids import uuid7
 from flywheel.sdk.redact import RedactFn, Redactor, chain
@@ -588,6 +589,29 @@ class Flywheel:
         if cid is not None:
             fields["completion_id"] = cid
         return self._put(FEEDBACK, sid, fields)
+
+    def feedback_token(
+        self,
+        session_id: str | Scope | None = None,
+        *,
+        completion_id: uuid.UUID | str | None = None,
+        user_id: str | None = None,
+        ttl_s: float = 3600,
+        kinds: Iterable[FeedbackKind | str] | None = None,
+    ) -> str:
+        """A signed, expiring token that lets a browser send feedback on one session or completion
+        to the gateway's ``POST /v1/feedback``, without the write key (docs/sdk.md).
+
+        The token binds the project, ``session_id`` and/or ``completion_id`` (a UUIDv7 when alone),
+        ``user_id`` if given, and the allowed ``kinds`` (None: every kind); it expires after
+        ``ttl_s`` seconds (at most 30 days) and dies with the write key it is signed with. Needs
+        the write key (``write_key=`` or ``FLYWHEEL_WRITE_KEY``); raises ``ValueError`` naming
+        a bad argument. Minting is local: no request is made.
+        """
+        key = self.settings.write_key.get_secret_value() if self.settings.write_key is not None else ""
+        sid = session_id.session_id if isinstance(session_id, Scope) else session_id
+        return feedback_tokens.mint(key, self.project, session_id=sid, completion_id=completion_id,
+                                    user_id=user_id, ttl_s=ttl_s, kinds=kinds)  # fmt: skip
 
     def _unattached_feedback(self, completion_id: Any, fields: dict[str, Any]) -> uuid.UUID | None:
         """Feedback keyed by its completion id, for ingest to attach to the completion's session."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, model_validator
+import re
+
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flywheel.core.contracts.events import MAX_TOKENS
 
@@ -12,6 +14,8 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024
 """Default of ``ingest.max_event_bytes`` (and of the SDK's ``FLYWHEEL_MAX_EVENT_BYTES``): room for a
 completion of :data:`MAX_COMPLETION_TOKENS` tokens with logprobs (about 4 MB of JSON, at most ~5.2 MB
 with the longest ids and floats) plus its text and a prompt of the same length."""
+ORIGIN_PATTERN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
+"""What a browser sends as ``Origin`` for a page: scheme, host (or bracketed IPv6), optional port."""
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Default of ``ingest.max_body_bytes`` (and of the SDK's ``FLYWHEEL_MAX_BODY_BYTES``)."""
 
@@ -82,6 +86,22 @@ class IngestSettings(BaseModel):
 
     otlp: OtlpSettings = Field(default_factory=OtlpSettings)
     """OTLP trace intake on the gateway (``POST /v1/traces``)."""
+
+    feedback_cors_origins: list[str] = Field(default_factory=list, max_length=256)
+    """Web origins (``https://app.example.com``: scheme, host, optional port; no path) whose pages may
+    post browser feedback to the gateway's ``POST /v1/feedback`` with a feedback token. Empty: none (a
+    backend may still post it; a browser request from any origin is refused). Only that route is cross-origin."""
+
+    @field_validator("feedback_cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if not ORIGIN_PATTERN.fullmatch(origin):
+                raise ValueError(
+                    f"{origin!r} is not a web origin: scheme://host[:port] with http or https, no path, no "
+                    "trailing slash, no wildcard (e.g. https://app.example.com)"
+                )
+        return origins
 
     @model_validator(mode="after")
     def _body_holds_an_event(self) -> IngestSettings:
