@@ -11,7 +11,10 @@ Measured on the same broker, with the same ~1 KB events:
 3. the sustained end-to-end rate: N events logged through the SDK, until all N rows are
    in Postgres, written by a real `flywheel-ingest consume` process;
 4. the end-to-end latency (Postgres ``received_at`` − SDK ``occurred_at``) while the
-   agent logs at half the measured end-to-end rate.
+   agent logs at half the measured end-to-end rate;
+5. the HTTP gateway (``flywheel-ingest gateway``, one process): OTLP chat spans per second
+   through ``POST /v1/traces`` against ~1 KB events per second through ``POST /v1/events``,
+   both acknowledged by Kafka, from 4 client threads (``otlp_vs_events``).
 
 The ingest consumer runs with its production default ``check_crcs=False`` (librdkafka's
 default too); the raw baseline is reported both with kafka-python's default CRC check
@@ -164,7 +167,23 @@ BASELINE_SETTINGS = {
     "raw_consume_nocrc": "as raw_consume with check_crcs=False (the ingest consumer's setting)",
     "raw_consume_events_per_s": "the faster of raw_consume_before/after (measured either side of the e2e phase)",
     "e2e_vs_raw_ratio": "e2e_events_per_s / raw_consume_events_per_s (the CRC-checking default consumer)",
+    "otlp_vs_events": "otlp_spans_per_s (POST /v1/traces, protobuf, chat spans) / events_per_s_same_run (POST"
+    " /v1/events, ~1 KB turns; the faster of before/after), one gateway process, 4 client threads",
 }
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
 
 
 def _count(conninfo: str, project: str) -> int:
@@ -282,10 +301,131 @@ def sdk_latency(settings, bootstrap: str, conninfo: str, rate: float, seconds: f
     }
 
 
+def _start_gateway(settings, bootstrap: str, db_url: str, port: int, log: Path) -> subprocess.Popen:
+    """``flywheel-ingest gateway`` on ``port``, against the bench's broker and database."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "FLYWHEEL_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+            "FLYWHEEL_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
+            "FLYWHEEL_POSTGRES__URL": db_url,
+        }
+    )
+    command = [sys.executable, "-m", "ingest.main", "gateway", "--port", str(port), "--log-level", "warning"]
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _write_key(db_url: str, project: str) -> str:
+    from flywheel.core.auth import create_key
+    from flywheel.core.db.engine import session_factory
+
+    with session_factory(db_url)() as session:
+        _, token = create_key(session, name=f"bench-{project}", role="writer", project=project)
+        session.commit()
+    return token
+
+
+def _events_body(project: str, request: int, batch: int) -> bytes:
+    """One /v1/events request: ``batch`` ~1 KB turns of one session."""
+    from flywheel.core.contracts import Message, Turn, dump_event
+
+    text = _payload()
+    events = [
+        dump_event(Turn(project=project, session_id=f"gw-{request}", messages=[Message(role="user", content=text)]))
+        for _ in range(batch)
+    ]
+    return b'{"events":[' + b",".join(events) + b"]}"
+
+
+def _otlp_body(request: int, batch: int) -> bytes:
+    """One /v1/traces export (protobuf): one trace of ``batch`` GenAI chat spans, each with the
+    ~850-character user message (a span event) and a short answer: each becomes a ~1.3 KB completion."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+    def kv(key: str, value: object) -> KeyValue:
+        if isinstance(value, float):
+            return KeyValue(key=key, value=AnyValue(double_value=value))
+        if isinstance(value, int):
+            return KeyValue(key=key, value=AnyValue(int_value=value))
+        return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+    text, now = _payload(), time.time_ns()
+    trace = uuid.uuid4().bytes
+    attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": "policy-v1", "gen_ai.request.temperature": 0.7}
+    attrs |= {"gen_ai.request.max_tokens": 256, "gen_ai.response.finish_reasons": "stop"}
+    spans = [
+        Span(
+            trace_id=trace,
+            span_id=(i + 1).to_bytes(8, "big"),
+            name="chat policy-v1",
+            start_time_unix_nano=now + i * 1000,
+            end_time_unix_nano=now + i * 1000 + 500_000_000,
+            attributes=[kv(k, v) for k, v in attrs.items()],
+            events=[
+                Span.Event(name="gen_ai.user.message", time_unix_nano=now, attributes=[kv("content", text)]),
+                Span.Event(name="gen_ai.choice", time_unix_nano=now, attributes=[kv("message", '{"content": "ok"}')]),
+            ],
+        )
+        for i in range(batch)
+    ]
+    export = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans)])])
+    return export.SerializeToString()
+
+
+def _post_all(url: str, key: str, content_type: str, bodies: list[bytes], clients: int, ok: int) -> float:
+    """Post ``bodies`` from ``clients`` threads (one HTTP connection each); seconds until all were answered ``ok``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": content_type}
+
+    def worker(mine: list[bytes]) -> None:
+        with httpx.Client(headers=headers, timeout=60) as client:
+            for body in mine:
+                response = client.post(url, content=body)
+                if response.status_code != ok or (ok == 200 and response.content not in (b"", b"{}")):
+                    raise RuntimeError(f"{url}: {response.status_code} {response.content[:300]!r}")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(worker, [bodies[i::clients] for i in range(clients)]))
+    return time.perf_counter() - t0
+
+
+def gateway_rates(url: str, key: str, project: str, requests: int, batch: int, clients: int) -> dict[str, float]:
+    """Spans per second through ``POST /v1/traces`` against events per second through ``POST /v1/events``,
+    in the same gateway: each acknowledged by Kafka before the answer. The events rate is measured before
+    and after the OTLP one and the faster kept (as the raw baseline is: the ratio stays conservative)."""
+    _post_all(f"{url}/v1/events", key, "application/json", [_events_body(project, -1, batch)], 1, 202)  # warm up
+    _post_all(f"{url}/v1/traces", key, "application/x-protobuf", [_otlp_body(-1, batch)], 1, 200)
+    n = requests * batch
+    events = [_events_body(project, i, batch) for i in range(requests)]
+    before = n / _post_all(f"{url}/v1/events", key, "application/json", events, clients, 202)
+    exports = [_otlp_body(i, batch) for i in range(requests)]
+    otlp = n / _post_all(f"{url}/v1/traces", key, "application/x-protobuf", exports, clients, 200)
+    events = [_events_body(project, requests + i, batch) for i in range(requests)]
+    after = n / _post_all(f"{url}/v1/events", key, "application/json", events, clients, 202)
+    best = max(before, after)
+    return {
+        "gateway_events_per_s_before": before,
+        "gateway_events_per_s_after": after,
+        "events_per_s_same_run": best,
+        "otlp_spans_per_s": otlp,
+        "otlp_vs_events": otlp / best,
+        "gateway_batch": batch,
+        "gateway_clients": clients,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=30_000, help="events per throughput phase")
     parser.add_argument("--latency-seconds", type=float, default=15.0)
+    parser.add_argument("--gateway-requests", type=int, default=60, help="requests per gateway phase")
+    parser.add_argument("--gateway-batch", type=int, default=100, help="events or spans per gateway request")
     args = parser.parse_args()
 
     from flywheel.core.db.migrate import upgrade
@@ -295,7 +435,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="flywheel-bench-ingest-"))
     settings = _settings(run_dir)
     up(settings, components=["broker", "postgres"])
-    consumer = None
+    consumer = gateway = None
     db_url = postgres_url(settings, database=f"bench_ingest_{uuid.uuid4().hex[:8]}")
     try:
         ensure_database(db_url)
@@ -323,10 +463,18 @@ def main() -> None:
         print(f"raw after: {json.dumps({k: round(v) for k, v in raw.items()})}", flush=True)
         lat = sdk_latency(settings, bootstrap, conninfo, rate=e2e["e2e_events_per_s"] / 2, seconds=args.latency_seconds)
         print(f"latency: {json.dumps({k: round(v, 3) for k, v in lat.items()})}", flush=True)
+
+        port = 19594
+        gateway = _start_gateway(settings, bootstrap, db_url, port, run_dir / "gateway.log")
+        _wait_http(f"http://127.0.0.1:{port}/healthz", timeout_s=60)
+        key = _write_key(db_url, "gw")
+        gw = gateway_rates(f"http://127.0.0.1:{port}", key, "gw", args.gateway_requests, args.gateway_batch, clients=4)
+        print(f"gateway: {json.dumps({k: round(v, 3) for k, v in gw.items()})}", flush=True)
     finally:
-        if consumer is not None:
-            consumer.terminate()
-            consumer.wait(30)
+        for process in (consumer, gateway):
+            if process is not None:
+                process.terminate()
+                process.wait(30)
         try:
             drop_database(db_url)
         finally:
@@ -336,6 +484,7 @@ def main() -> None:
         **{k: round(v, 1) for k, v in raw.items()},
         **{k: round(v, 2) for k, v in e2e.items()},
         **{k: round(v, 3) for k, v in lat.items()},
+        **{k: round(v, 3) for k, v in gw.items()},
         "e2e_vs_raw_ratio": round(e2e["e2e_events_per_s"] / raw["raw_consume_events_per_s"], 3),
         "e2e_vs_raw_nocrc_ratio": round(e2e["e2e_events_per_s"] / raw["raw_consume_nocrc_events_per_s"], 3),
         "crc32c_extension": _crc32c_extension(),
