@@ -107,7 +107,7 @@ def gateway(
     db_url: str | None = typer.Option(None, "--db-url", help="Database URL of the write keys."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
-    """Serve the HTTP gateway (POST /v1/events; /metrics, /docs and /openapi.json behind a key)."""
+    """Serve the HTTP gateway (POST /v1/events, POST /v1/traces; /metrics, /docs and /openapi.json behind a key)."""
     import uvicorn
 
     from flywheel.core.endpoints import kafka_bootstrap

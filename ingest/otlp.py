@@ -12,7 +12,8 @@ Which spans map, and to what:
   start and a ``turn`` with the tool result at its end, as the SDK logs them.
 
 Message content is read from span events (``gen_ai.user.message``, ``gen_ai.choice``, ...),
-from ``gen_ai.input.messages`` / ``gen_ai.output.messages`` (JSON), from OpenLLMetry's flattened
+from ``gen_ai.input.messages`` / ``gen_ai.output.messages`` (JSON, on the span or on its
+``gen_ai.client.inference.operation.details`` event), from OpenLLMetry's flattened
 ``gen_ai.prompt.N.*`` / ``gen_ai.completion.N.*``, or from OpenInference's
 ``llm.input_messages.N.message.*`` / ``llm.output_messages.N.message.*``, whichever a span has.
 
@@ -70,6 +71,8 @@ OPENLLMETRY_REQUEST_TYPES = {"chat": COMPLETION, "completion": COMPLETION}
 """OpenLLMetry's ``llm.request.type``, for its spans without ``gen_ai.operation.name``."""
 SESSION_ATTRIBUTES = ("gen_ai.conversation.id", "session.id")
 """Attributes that name a span's session, in order of preference (then the configured one)."""
+DETAILS_EVENT = "gen_ai.client.inference.operation.details"
+"""A span event whose attributes (``gen_ai.input.messages``, ...) are read as the span's own."""
 ROLE = "agent"
 """The span role of every mapped event: OpenTelemetry does not say which agent orchestrates."""
 ROLE_ALIASES = {"human": "user", "ai": "assistant", "model": "assistant", "function": "tool"}
@@ -464,6 +467,11 @@ class SpanView:
 
     @classmethod
     def read(cls, span: Span, resource: dict[str, Any]) -> SpanView:
+        attrs = attributes(span.attributes)
+        for event in span.events:  # newer conventions may put the content attributes on this event instead
+            if event.name == DETAILS_EVENT:
+                for key, value in attributes(event.attributes).items():
+                    attrs.setdefault(key, value)
         return cls(
             trace_id=span.trace_id.hex(),
             span_id=span.span_id.hex(),
@@ -471,7 +479,7 @@ class SpanView:
             name=span.name,
             start_ns=span.start_time_unix_nano,
             end_ns=max(span.end_time_unix_nano, span.start_time_unix_nano),
-            attrs=attributes(span.attributes),
+            attrs=attrs,
             resource=resource,
             events=[SpanEvent(e.name, attributes(e.attributes)) for e in span.events],
             failed=span.status.code == Status.STATUS_CODE_ERROR,

@@ -158,6 +158,16 @@ def test_content_in_input_and_output_messages_attributes_with_a_tool_call():
     assert completion.span.span_id == "root"
 
 
+def test_content_attributes_on_the_inference_details_event_are_read_as_the_spans():
+    details = {
+        "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [{"type": "text", "content": "Hi"}]}]),
+        "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": "Hey"}]}]),
+    }
+    events = (("gen_ai.client.inference.operation.details", details),)
+    (completion,) = of(map_export(export(span(1, CHAT, events=events)), "shop").events, Completion)
+    assert [m.content for m in completion.prompt_messages] == ["Hi"] and completion.completion_text == "Hey"
+
+
 def test_openllmetry_flattened_prompt_and_completion_attributes():
     attrs = {
         "llm.request.type": "chat",
