@@ -326,3 +326,103 @@ def test_captured_text_is_redacted_and_loses_the_token_data_of_what_changed(serv
     assert event.prompt_token_ids is None  # the e-mail is one decode away in them
     if "@" not in event.completion_text:  # the model did not write one: its side keeps its token data
         assert event.completion_token_ids and event.logprobs
+
+
+def test_a_product_that_only_changed_its_base_url_is_trained_on_once_rewards_arrive(
+    served: Served, vllm_replica: VllmReplica, gate_engine_url: str, tmp_path: Path
+) -> None:
+    """Issue 19's "done when": the product sends its requests with the official openai client alone
+    (base URL, key and one header); its backend reports each session's outcome and end with the
+    SDK's two calls. The real rewarding worker scores the captured sessions into training samples,
+    and a real training cycle trains on them, starting on-policy (the router's captured logprobs are
+    the trainer's own: importance ratios of 1)."""
+    from sqlalchemy import text
+
+    from flywheel.sdk import Flywheel
+    from flywheel.task import arith
+    from rewarding.harness import WorkerProcess, settings_env
+    from trainer.ckpt import read_sidecar
+    from trainer.cycle import run_cycle
+
+    tag = uuid.uuid4().hex[:8]
+    db_url = served.engine.url.render_as_string(hide_password=False)
+    only_outcome = {"outcome": 1.0, "user_signal": 0.0, "grm": 0.0, "shaping": 0.0, "summary": 0.0}
+    env = settings_env(
+        {
+            "run_dir": str(tmp_path / "rw-run"),
+            "kafka": {"bootstrap_servers": served.bootstrap, "topic_prefix": served.settings.kafka.topic_prefix},
+            "postgres": {"url": db_url},
+            "rewarding": {"feedback_window_s": 0.5, "session_timeout_s": 30.0, "rescore_delay_s": 0.3,
+                          "timer_interval_s": 0.1, "session_timeout_broker_s": 6, "rebalance_timeout_s": 6,
+                          "group_id": f"capture-rw-{tag}", "scoring": {"weights": only_outcome}},
+        }
+    )  # fmt: skip
+    worker = WorkerProcess(env, tmp_path / "rewarding.log").start()
+    product = client(served)
+    problems = arith.sample_problems("train", 8, seed=19)
+    sessions: dict[str, list[uuid.UUID]] = {}
+    try:
+        with Flywheel(project=CAPTURED, kafka_bootstrap=served.bootstrap, spool_dir=tmp_path / "spool",
+                      topic_prefix=served.settings.kafka.topic_prefix) as backend:  # fmt: skip
+            for p, problem in enumerate(problems):
+                for k in range(4):  # four episodes of each problem: the rewarding's groups (same first prompt)
+                    sid = f"captured-{tag}-{p}-{k}"
+                    ids: list[uuid.UUID] = []
+
+                    def generate(messages: list[dict[str, Any]], sid: str = sid, ids: list[uuid.UUID] = ids) -> str:
+                        raw = product.chat.completions.with_raw_response.create(
+                            model=served.model, messages=messages, max_tokens=32, temperature=1.0,
+                            extra_headers={"x-flywheel-session-id": sid},
+                        )  # fmt: skip
+                        ids.extend(header_ids(raw.headers))
+                        return raw.parse().choices[0].message.content or ""
+
+                    episode = arith.run_episode(problem, generate)  # calculator calls, then an answer
+                    sessions[sid] = ids
+                    backend.outcome(sid, "task_solved", episode.success)
+                    backend.session(sid, resume=True).end()
+            assert backend.flush(30)
+
+        def samples() -> list[Any]:
+            with served.engine.connect() as conn:
+                return list(
+                    conn.execute(
+                        text("SELECT id, session_id, completion_id, policy_version, reward FROM training_samples "
+                             "WHERE project = :p AND session_id LIKE :s"),
+                        {"p": CAPTURED, "s": f"captured-{tag}-%"},
+                    )
+                )  # fmt: skip
+
+        n_completions = sum(len(ids) for ids in sessions.values())
+        rows = wait_for(lambda: (r := samples()) and len(r) >= n_completions and r, 90, "every completion's sample")
+    finally:
+        worker.stop()
+    assert {str(r.completion_id) for r in rows} == {str(i) for ids in sessions.values() for i in ids}
+    assert {r.policy_version for r in rows} == {served.version}
+    assert len({r.reward for r in rows}) > 1, "every captured session got the same reward: nothing to learn from"
+
+    settings = Settings(
+        environment="test",
+        run_dir=tmp_path / "run",
+        postgres={"url": db_url},
+        model=served.settings.model.model_copy(update={"cache_dir": vllm_replica.model_dir.parent}),
+        trainer={
+            "checkpoints": {"dir": tmp_path / "checkpoints"},
+            "metrics": {"textfile": tmp_path / "trainer.prom"},
+            "data": {"min_samples": 16, "window_settle_s": 0.0},
+            "gate": {"engine_url": gate_engine_url, "suites": {"arith": {"n": 16}}, "holdout_per_mille": 0},
+            "step": {
+                "learning_rate": 3e-4,
+                "epochs": 1,
+                "mini_batch_samples": 16,
+                "show_progress": False,
+                "torch_threads": 2,
+            },
+        },
+    )
+    outcome = run_cycle(f"capture:{tag}", "manual", settings)
+    assert outcome.status in ("candidate", "rejected"), outcome
+    with Session(served.engine) as session:
+        sidecar = read_sidecar(Path(session.get(Checkpoint, outcome.checkpoint_id).path))
+    assert {r.id for r in rows} <= set(sidecar.sample_ids)
+    assert abs(sidecar.steps[0]["ratio_mean"] - 1.0) < 0.05  # the captured logprobs are the policy's own
