@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -62,6 +63,7 @@ from flywheel.core.openai_fields import (
     request_fields,
     sampling_params,
 )
+from flywheel.sdk import openai_responses
 from flywheel.sdk.client import Flywheel, Scope, current_scope
 
 log = logging.getLogger("flywheel.sdk")
@@ -73,14 +75,17 @@ COMPLETION_IDS_HEADER = headers.COMPLETION_IDS
 IDS_ATTRIBUTE = "_flywheel_completion_ids"
 """Private attribute set on a logged response: the completion ids, one per choice."""
 C = TypeVar("C")
+CallKind = Kind | Literal["responses"]
 POLICY_ATTRIBUTE = "_flywheel_token_data"
 """Private attribute set on a wrapped client: its :class:`TokenDataPolicy`."""
 
 VENDOR_HOSTS = ("api.openai.com", "*.openai.azure.com")
 """Hosts of vendor APIs that refuse vLLM's own request fields (``*.`` matches any subdomain): with
 ``request_token_data="auto"`` the wrapper does not send them there."""
-VLLM_ONLY_FIELDS = ("return_token_ids",)
-"""The ``extra_body`` fields the wrapper adds that only vLLM understands."""
+VLLM_ONLY_FIELDS = ("return_token_ids", *openai_responses.VLLM_FIELDS)
+"""The ``extra_body`` fields the wrapper adds that only vLLM understands (chat and text, Responses)."""
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "include")
+"""The request fields that ask for sampling logprobs (``include``: the Responses API's), taken back together."""
 REFUSAL_STATUSES = (400, 422)
 
 RequestTokenData = bool | Literal["auto"]
@@ -176,7 +181,7 @@ def injected_fields(given: Mapping[str, Any], prepared: Mapping[str, Any]) -> fr
     extra_given = given.get("extra_body") if isinstance(given.get("extra_body"), Mapping) else {}
     extra_prepared = prepared.get("extra_body") if isinstance(prepared.get("extra_body"), Mapping) else {}
     added.update(f for f in VLLM_ONLY_FIELDS if f in extra_prepared and f not in extra_given)
-    added.update(f for f in ("logprobs", "top_logprobs") if _given(prepared.get(f)) and not _given(given.get(f)))
+    added.update(f for f in LOGPROB_FIELDS if _given(prepared.get(f)) and prepared.get(f) != given.get(f))
     return frozenset(added)
 
 
@@ -188,7 +193,12 @@ def refused_fields(error: BaseException, injected: frozenset[str]) -> frozenset[
         text = f"{error.message} {json.dumps(error.body, default=str)}"
     except (TypeError, ValueError):
         text = str(error.message)
-    return frozenset(f for f in injected if re.search(rf"(?<![A-Za-z0-9_]){f}(?![A-Za-z0-9_])", text))
+
+    def named(name: str) -> bool:
+        return re.search(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])", text) is not None
+
+    logprobs_named = named("logprobs")  # the Responses API's include value ends in ".logprobs"
+    return frozenset(f for f in injected if named(f) or (f in LOGPROB_FIELDS and logprobs_named))
 
 
 def without_fields(prepared: Mapping[str, Any], given: Mapping[str, Any], fields: frozenset[str]) -> dict[str, Any]:
@@ -200,8 +210,8 @@ def without_fields(prepared: Mapping[str, Any], given: Mapping[str, Any], fields
             out["extra_body"] = extra
         else:
             out.pop("extra_body", None)
-    if fields & {"logprobs", "top_logprobs"}:
-        for name in ("logprobs", "top_logprobs"):
+    if fields & set(LOGPROB_FIELDS):
+        for name in LOGPROB_FIELDS:
             if name in given:
                 out[name] = given[name]
             else:
@@ -252,7 +262,7 @@ class TokenDataPolicy:
         with self._lock:
             if refused & set(VLLM_ONLY_FIELDS):
                 self.vllm_fields = False
-            if refused & {"logprobs", "top_logprobs"}:
+            if refused & set(LOGPROB_FIELDS):
                 self.no_logprobs_models.add(model)
             for name in sorted(refused):
                 key = name if name in VLLM_ONLY_FIELDS else f"{name}:{model}"
@@ -281,7 +291,7 @@ class _Call:
 
     fw: Flywheel
     scope: Scope
-    kind: Kind
+    kind: CallKind
     request: dict[str, Any]
     n: int
     started: float
@@ -366,7 +376,9 @@ class _Observer:
     def __init__(self, call: _Call, injected_usage: bool):
         self.call = call
         self.injected_usage = injected_usage
-        self.accumulator = StreamAccumulator(call.kind)
+        self.accumulator: Any = (
+            openai_responses.ResponsesAccumulator() if call.kind == "responses" else StreamAccumulator(call.kind)
+        )
         self.ids: list[uuid.UUID] = []
 
     def observe(self, chunk: Any) -> bool:
@@ -376,6 +388,8 @@ class _Observer:
         except Exception as err:  # a chunk we cannot read must not break the agent's stream; counted and logged
             self.call.fw._counters.add("errors")
             log.error("flywheel: could not read a stream chunk: %r", err, exc_info=err)
+        if self.call.kind == "responses":
+            return True
         return not (self.injected_usage and not chunk.choices and getattr(chunk, "usage", None) is not None)
 
     def finish(self, stream: Any) -> None:
@@ -456,13 +470,24 @@ class LoggedAsyncStream(AsyncStream):  # type: ignore[type-arg]
 # -- patching --------------------------------------------------------------------------------
 
 
+_BOUND: ContextVar[tuple[Scope | None, list[Any]] | None] = ContextVar("flywheel_openai_bound", default=None)
+"""Set while a ``.stream()`` helper's context manager opens its request: the ``session=`` given to
+``.stream()`` and a list that collects the logged streams the request made."""
+
+
 def _target_scope(explicit: Any) -> Scope | None:
-    """The scope a call belongs to: an explicit ``session=`` argument, else the current one (sampled or not)."""
-    return explicit if isinstance(explicit, Scope) else current_scope()
+    """The scope a call belongs to: an explicit ``session=`` argument (given to the call, or to the
+    ``.stream()`` helper that makes it), else the current one (sampled or not)."""
+    if isinstance(explicit, Scope):
+        return explicit
+    bound = _BOUND.get()
+    if bound is not None and bound[0] is not None:
+        return bound[0]
+    return current_scope()
 
 
 def _begin(
-    fw: Flywheel, kind: Kind, kwargs: dict[str, Any], policy: TokenDataPolicy
+    fw: Flywheel, kind: CallKind, kwargs: dict[str, Any], policy: TokenDataPolicy
 ) -> tuple[_Call, dict[str, Any], bool] | None:
     """Prepare the logged version of a call, or ``None`` to make it unlogged (no session, or a failure).
 
@@ -475,9 +500,15 @@ def _begin(
     if scope is None:
         return None
     try:
-        call_kwargs, injected = prepare_request(kind, kwargs, **policy.options(kwargs.get("model")))
+        options = policy.options(kwargs.get("model"))
+        if kind == "responses":
+            call_kwargs, injected = openai_responses.prepare_request(kwargs, **options), False
+            fields = openai_responses.request_fields(kwargs)
+        else:
+            call_kwargs, injected = prepare_request(kind, kwargs, **options)
+            fields = request_fields(kind, kwargs)
         n = kwargs.get("n") if isinstance(kwargs.get("n"), int) else 1
-        call = _Call(fw, scope, kind, request_fields(kind, kwargs), n, time.perf_counter())
+        call = _Call(fw, scope, kind, fields, n, time.perf_counter())
     except Exception as err:  # an odd request must not break the agent's call; counted and logged, sent unlogged
         fw._counters.add("errors")
         log.error("flywheel: could not prepare a %s request for logging: %r", kind, err, exc_info=err)
@@ -489,12 +520,16 @@ def _finish(call: _Call, raw: Any, injected: bool, parse: Any) -> Any:
     """Log a non-streamed response, or wrap a stream so it is logged when it ends."""
     call.policy_version, call.served_by = _headers(raw)
     call.router_ids = _router_ids(raw)
-    if isinstance(parse, Stream):
-        return LoggedStream.adopt(parse, _Observer(call, injected))
-    if isinstance(parse, AsyncStream):
-        return LoggedAsyncStream.adopt(parse, _Observer(call, injected))
+    if isinstance(parse, (Stream, AsyncStream)):
+        cls = LoggedStream if isinstance(parse, Stream) else LoggedAsyncStream
+        logged = cls.adopt(parse, _Observer(call, injected))  # type: ignore[arg-type]
+        bound = _BOUND.get()
+        if bound is not None:
+            bound[1].append(logged)
+        return logged
     try:
-        results = parse_chat_completion(parse) if call.kind == "chat" else parse_text_completion(parse)
+        parsers = {"chat": parse_chat_completion, "text": parse_text_completion}
+        results = parsers.get(call.kind, openai_responses.parse_response)(parse)
     except Exception as err:  # an unexpected response shape must not break the agent; counted and logged
         call.fw._counters.add("errors")
         log.error("flywheel: could not read a %s response: %r", call.kind, err, exc_info=err)
@@ -503,9 +538,9 @@ def _finish(call: _Call, raw: Any, injected: bool, parse: Any) -> Any:
     return parse
 
 
-def _sync_create(fw: Flywheel, kind: Kind, resource: Any, policy: TokenDataPolicy) -> Any:
-    original = resource.create
-    raw_create = resource.with_raw_response.create
+def _sync_create(fw: Flywheel, kind: CallKind, resource: Any, policy: TokenDataPolicy, name: str = "create") -> Any:
+    original = getattr(resource, name)
+    raw_create = getattr(resource.with_raw_response, name)
 
     def create(*args: Any, **kwargs: Any) -> Any:
         begun = _begin(fw, kind, kwargs, policy)
@@ -529,9 +564,9 @@ def _sync_create(fw: Flywheel, kind: Kind, resource: Any, policy: TokenDataPolic
     return create
 
 
-def _async_create(fw: Flywheel, kind: Kind, resource: Any, policy: TokenDataPolicy) -> Any:
-    original = resource.create
-    raw_create = resource.with_raw_response.create
+def _async_create(fw: Flywheel, kind: CallKind, resource: Any, policy: TokenDataPolicy, name: str = "create") -> Any:
+    original = getattr(resource, name)
+    raw_create = getattr(resource.with_raw_response, name)
 
     async def create(*args: Any, **kwargs: Any) -> Any:
         begun = _begin(fw, kind, kwargs, policy)
@@ -555,6 +590,87 @@ def _async_create(fw: Flywheel, kind: Kind, resource: Any, policy: TokenDataPoli
     return create
 
 
+class _LoggedManager:
+    """Mixed into a ``.stream()`` helper's context manager: its request is made with the helper's
+    ``session=`` and, when the block ends, the completion is logged (with what was received, if the
+    stream was left early) and its ids are attached to the helper's stream."""
+
+    _fw_scope: Scope | None
+    _fw_sink: list[Any]
+    _fw_stream: Any
+
+    def _fw_bind(self) -> Any:
+        return _BOUND.set((self._fw_scope, self._fw_sink))
+
+    def _fw_done(self) -> None:
+        for logged in self._fw_sink:
+            logged._fw_observer.finish(logged)
+            if self._fw_stream is not None:
+                _attach_ids(self._fw_stream, completion_ids(logged))
+
+    def __enter__(self) -> Any:
+        token = self._fw_bind()
+        try:
+            self._fw_stream = super().__enter__()  # type: ignore[misc]
+        finally:
+            _BOUND.reset(token)
+        return self._fw_stream
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            self._fw_done()
+
+    async def __aenter__(self) -> Any:
+        token = self._fw_bind()
+        try:
+            self._fw_stream = await super().__aenter__()  # type: ignore[misc]
+        finally:
+            _BOUND.reset(token)
+        return self._fw_stream
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        try:
+            return await super().__aexit__(*exc)  # type: ignore[misc]
+        finally:
+            self._fw_done()
+
+
+_MANAGER_CLASSES: dict[type, type] = {}
+
+
+def _adopt_manager(manager: Any, scope: Scope | None) -> Any:
+    """The same context manager (same class, plus :class:`_LoggedManager`), bound to ``scope``."""
+    base = type(manager)
+    cls = _MANAGER_CLASSES.get(base)
+    if cls is None:
+        cls = _MANAGER_CLASSES[base] = type(f"Logged{base.__name__}", (_LoggedManager, base), {})
+    logged = cls.__new__(cls)
+    logged.__dict__.update(manager.__dict__)
+    logged._fw_scope, logged._fw_sink, logged._fw_stream = scope, [], None
+    return logged
+
+
+def _stream_helper(fw: Flywheel, resource: Any) -> Any:
+    """``resource.stream`` (a chat or Responses ``.stream()`` helper, which makes its request through
+    the patched ``create``) accepting ``session=`` and logging when its block ends."""
+    original = resource.stream
+
+    def stream(*args: Any, session: Any = None, **kwargs: Any) -> Any:
+        manager = original(*args, **kwargs)
+        try:
+            return _adopt_manager(manager, session if isinstance(session, Scope) else None)
+        except Exception as err:  # an unexpected helper must not break the agent's call; counted and logged
+            fw._counters.add("errors")
+            log.error("flywheel: could not observe a .stream() helper: %r", err, exc_info=err)
+            return manager
+
+    stream.__wrapped__ = original  # type: ignore[attr-defined]
+    stream.__doc__ = original.__doc__
+    return stream
+
+
 def token_data_policy(client: Any) -> TokenDataPolicy | None:
     """The :class:`TokenDataPolicy` of a wrapped client (what it asks for, what was refused), else ``None``."""
     return getattr(client, POLICY_ATTRIBUTE, None)
@@ -575,10 +691,22 @@ def wrap(client: C, fw: Flywheel, *, request_token_data: RequestTokenData = "aut
         raise TypeError(f"expected an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}")
     policy = TokenDataPolicy(request_token_data, client.base_url)
     make = _async_create if is_async else _sync_create
-    chat_resource = client.chat.completions
     text_resource = client.completions
-    chat_resource.create = make(fw, "chat", chat_resource, policy)
     text_resource.create = make(fw, "text", text_resource, policy)
+    beta_chat = getattr(getattr(client, "beta", None), "chat", None)  # the helpers' home in openai < 1.92
+    resources: list[tuple[CallKind, Any]] = [("chat", client.chat.completions)]
+    beta_completions = getattr(beta_chat, "completions", None)
+    if beta_completions is not None and beta_completions is not client.chat.completions:
+        resources.append(("chat", beta_completions))
+    if getattr(client, "responses", None) is not None:  # the Responses API, from openai 1.66
+        resources.append(("responses", client.responses))
+    for kind, resource in resources:
+        raw = getattr(resource, "with_raw_response", None)
+        for name in ("create", "parse"):
+            if callable(getattr(resource, name, None)) and callable(getattr(raw, name, None)):
+                setattr(resource, name, make(fw, kind, resource, policy, name))
+        if callable(getattr(resource, "stream", None)):
+            resource.stream = _stream_helper(fw, resource)
     setattr(client, POLICY_ATTRIBUTE, policy)
     client._flywheel_wrapped = fw  # type: ignore[attr-defined]
     return client

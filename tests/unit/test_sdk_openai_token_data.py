@@ -75,7 +75,14 @@ def test_refused_fields_are_the_injected_ones_the_error_names() -> None:
     unrecognized = error(400, {"error": {"message": "Unrecognized request argument supplied: return_token_ids"}})
     assert refused_fields(unrecognized, injected) == {"return_token_ids"}
     unsupported = error(400, {"error": {"message": "Unsupported parameter", "param": "logprobs"}})
-    assert refused_fields(unsupported, injected) == {"logprobs"}  # not top_logprobs: whole names only
+    assert refused_fields(unsupported, injected) == {"logprobs", "top_logprobs"}  # "logprobs" names the group
+    responses = error(400, {"error": {"message": "'message.output_text.logprobs' is not supported with this model"}})
+    assert refused_fields(responses, frozenset({"include", "top_logprobs", "enable_response_messages"})) == {
+        "include",
+        "top_logprobs",
+    }
+    other = error(400, {"error": {"message": "Unknown parameter: 'my_logprobs_flag'"}})
+    assert refused_fields(other, injected) == frozenset()  # whole names only
     pydantic_style = error(422, {"detail": [{"type": "extra_forbidden", "loc": ["body", "top_logprobs"]}]})
     assert refused_fields(pydantic_style, injected) == {"top_logprobs"}
     assert refused_fields(unrecognized, frozenset({"logprobs"})) == frozenset()  # the agent's own field
