@@ -179,3 +179,20 @@ def test_captured_text_is_redacted_and_the_token_data_of_what_changed_is_dropped
     _, results = clean.whole(json.dumps(chat_answer()).encode())
     [kept] = clean.events(results, "v7", None, "3", Redactor())
     assert (kept.prompt_token_ids, kept.completion_token_ids, clean.redacted) == ([1, 2, 3], [17], 0)
+
+
+def test_an_answer_the_fast_parser_refuses_passes_as_vllm_wrote_it() -> None:
+    """A kept logprob of -inf (Python's json writes ``-Infinity``, which orjson refuses) is read and
+    written back by the standard library, never turned into ``null``; whole and in a stream."""
+    payload = {"model": "m", "messages": [{"role": "user", "content": "2+3="}], "logprobs": True}
+    capture = Capture.begin("/v1/chat/completions", payload, "shop", "s1")
+    assert capture is not None and capture.keep_logprobs
+    answer = chat_answer()
+    answer["choices"][0]["logprobs"]["content"][0]["logprob"] = float("-inf")
+    body, _ = capture.whole(json.dumps(answer).encode())
+    assert b"-Infinity" in body and json.loads(body)["choices"][0]["logprobs"] == answer["choices"][0]["logprobs"]
+    assert json.loads(body)["prompt_token_ids"] is None  # what it did not ask for still goes
+    plain = capture.whole(json.dumps(chat_answer()).encode())[0]  # the fast path writes what vLLM would
+    assert json.loads(plain)["choices"][0]["logprobs"] == chat_answer()["choices"][0]["logprobs"]
+    streamed = capture.stream_chunk(sse({**answer, "object": "chat.completion.chunk"}))
+    assert b"-Infinity" in streamed
