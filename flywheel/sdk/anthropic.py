@@ -28,11 +28,13 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flywheel.core.openai_fields import given, sampling_params
 from flywheel.sdk.client import Flywheel, Scope
-from flywheel.sdk.openai import _attach_ids, _Call, _target_scope, completion_ids
+
+if TYPE_CHECKING:
+    from flywheel.sdk.openai import _Call
 
 log = logging.getLogger("flywheel.sdk")
 C = TypeVar("C")
@@ -41,6 +43,23 @@ STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "leng
 """Anthropic's ``stop_reason`` as the finish reason the other wrappers record."""
 
 __all__ = ["completion_ids", "parse_message", "request_fields", "wrap_anthropic"]
+
+
+def _shared() -> Any:
+    """The OpenAI wrapper's module, whose call logging this wrapper shares (imported when first needed:
+    it imports the openai package, which importing the SDK must not)."""
+    from flywheel.sdk import openai as shared
+
+    return shared
+
+
+def completion_ids(response: Any) -> list[Any]:
+    """The completion ids the wrapper logged for a message, stream or ``messages.stream(...)`` stream."""
+    return _shared().completion_ids(response)
+
+
+def _attach_ids(response: Any, ids: list[Any]) -> None:
+    _shared()._attach_ids(response, ids)
 
 
 def _dump(value: Any) -> Any:
@@ -268,11 +287,11 @@ class _AsyncStreamMixin:
 
 def _begin(fw: Flywheel, kwargs: dict[str, Any]) -> _Call | None:
     """The logged version of a call, or ``None`` to make it unlogged (no sampled session, or a failure)."""
-    target = _target_scope(kwargs.pop("session", None))
+    target = _shared()._target_scope(kwargs.pop("session", None))
     if target is None or not target.sampled:
         return None
     try:
-        return _Call(fw, target, "chat", request_fields(kwargs), 1, time.perf_counter())
+        return _shared()._Call(fw, target, "chat", request_fields(kwargs), 1, time.perf_counter())
     except Exception as err:  # an odd request must not break the agent's call; counted and logged, sent unlogged
         fw._counters.add("errors")
         log.error("flywheel: could not prepare an anthropic request for logging: %r", err, exc_info=err)
