@@ -51,3 +51,4 @@ __all__ = [
     "observe",
     "set_default_client",
 ]
+from flywheel.sdk.anthropic import wrap_anthropic as wrap_anthropic
