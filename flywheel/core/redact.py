@@ -32,7 +32,18 @@ RedactFn = Callable[[str], str]
 _MISSING = object()
 
 TEXT_KEYS = frozenset(
-    {"content", "arguments", "prompt_text", "completion_text", "summary", "text", "error", "assignment", "result"}
+    {
+        "content",
+        "arguments",
+        "prompt_text",
+        "completion_text",
+        "summary",
+        "text",
+        "error",
+        "assignment",
+        "result",
+        "comment",
+    }
 )
 """Keys whose string values are free text, at any depth of an event's fields."""
 FLAT_KEYS = frozenset({"metadata", "details"})

@@ -3,7 +3,8 @@
 Each kind has a weight and a window (seconds after the session end in which it counts;
 before the end always counts). A kind counts once per target, the whole session or one
 completion, by its latest occurrence inside the window, so repeating a signal cannot stack
-reward. The sum is clipped to ``[-clip, clip]``. No counted signal: no value.
+reward. The sum is clipped to ``[-clip, clip]``. No counted signal: no value. Named scores
+(feedback of kind ``score`` with a ``name``) are not user signal: the ``scores`` extractor reads them.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class UserSignalExtractor(Extractor):
         latest: dict[tuple[str, str], float] = {}
         outside = 0
         for feedback in session.feedback:
+            if feedback.name is not None:
+                continue  # a named score: the ``scores`` extractor's, where configured
             if not in_window(feedback, session, self.rule(feedback.kind)):
                 outside += 1
                 continue

@@ -14,6 +14,8 @@ from flywheel.core.contracts.events import (
     Message,
     Outcome,
     SamplingParams,
+    ScoreDataType,
+    ScoreValue,
     SessionEnd,
     SessionStart,
     SpanEnd,
@@ -25,6 +27,7 @@ from flywheel.core.contracts.events import (
     dump_event,
     event_json_schema,
     parse_event,
+    score_data_type,
     unknown_fields,
 )
 from flywheel.core.contracts.ids import uuid7
@@ -43,6 +46,8 @@ __all__ = [
     "Message",
     "Outcome",
     "SamplingParams",
+    "ScoreDataType",
+    "ScoreValue",
     "SessionEnd",
     "SessionStart",
     "SpanEnd",
@@ -54,6 +59,7 @@ __all__ = [
     "dump_event",
     "event_json_schema",
     "parse_event",
+    "score_data_type",
     "unknown_fields",
     "uuid7",
 ]

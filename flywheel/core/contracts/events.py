@@ -19,11 +19,16 @@ Schema history:
       them; :func:`dump_event` writes them back), so a newer SDK may add optional fields that a
       reader can ignore without misreading the record. A field an older reader would misread if
       it ignored it needs a new schema version (see docs/contracts.md).
+      Additive change within 1: a ``feedback`` of kind ``score`` may be a *named score*
+      (``name``, ``value`` as a number, boolean or category, ``data_type``, ``comment``)
+      instead of carrying ``score``; a reader built before refuses such a record (its
+      ``score`` is missing), so it cannot misread it as an unnamed score.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -427,8 +432,39 @@ class FeedbackKind(StrEnum):
     SCORE = "score"
 
 
+ScoreDataType = Literal["numeric", "boolean", "categorical"]
+"""What a named score's value is: a number, true/false, or a category (a label)."""
+MAX_SCORE_NUMBER = 1e12
+"""Largest magnitude of a numeric score."""
+MAX_CATEGORY = 256
+"""Longest category of a categorical score, in characters."""
+ScoreValue = (
+    bool
+    | Annotated[int, Field(ge=-(10**12), le=10**12)]
+    | Annotated[float, Field(ge=-MAX_SCORE_NUMBER, le=MAX_SCORE_NUMBER)]
+    | Annotated[str, StringConstraints(min_length=1, max_length=MAX_CATEGORY)]
+)
+"""A named score's value: a number, a boolean, or a category (non-empty text)."""
+MAX_COMMENT = 4096
+"""Longest feedback comment, in characters."""
+
+
+def score_data_type(value: bool | int | float | str) -> ScoreDataType:
+    """The data type a score value implies: a bool is ``boolean``, a number ``numeric``, text ``categorical``."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "numeric"
+    return "categorical"
+
+
 class Feedback(EventBase):
     """A user signal about a session or one completion; may arrive hours later, from another process.
+
+    Kind ``score`` is either an unnamed free ``score`` (read by the ``user_signal`` reward
+    extractor) or a *named score*: ``name`` and ``value`` (number, boolean or category), with a
+    ``data_type`` that is inferred from the value when not given and must agree with it, as
+    Langfuse and LangSmith scores are (read by the ``scores`` extractor, where configured).
 
     Feedback by completion id alone (no ``session_id``, a UUIDv7 ``completion_id``) is
     *unattached*: it is keyed by the completion id on the topic, and ingest finds the
@@ -444,7 +480,16 @@ class Feedback(EventBase):
     completion_id: uuid.UUID | None = None
     """The completion it is about, if any (else the whole session); a UUIDv7 when ``session_id`` is omitted."""
     score: float | None = Field(None, ge=-1e6, le=1e6)
-    """A free score, for ``score``."""
+    """A free, unnamed score, for ``score`` (a named score carries ``name`` and ``value`` instead)."""
+    name: Name | None = None
+    """A named score's name, e.g. ``helpfulness``, ``correct``, ``tone`` (kind ``score`` only)."""
+    value: ScoreValue | None = None
+    """A named score's value: a number, ``true``/``false``, or a category such as ``"good"``."""
+    data_type: ScoreDataType | None = None
+    """A named score's type: ``numeric``, ``boolean`` or ``categorical``; inferred from ``value`` when not
+    given. ``boolean`` also takes 1 and 0 (as Langfuse sends booleans) and stores them as true and false."""
+    comment: Annotated[str, StringConstraints(max_length=MAX_COMMENT)] | None = None
+    """Free text about the feedback, e.g. why a score was given (redacted by the SDK)."""
     edit_ratio: float | None = Field(None, ge=0, le=1)
     """Fraction of the agent's output the user changed, for ``edit``."""
     persisted_minutes: float | None = Field(None, ge=0, le=525_600)
@@ -458,13 +503,15 @@ class Feedback(EventBase):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> Feedback:
+        if self.name is not None or self.value is not None or self.data_type is not None:
+            self._check_named_score()
         required = {
             FeedbackKind.SCORE: "score",
             FeedbackKind.EDIT: "edit_ratio",
             FeedbackKind.PERSISTED: "persisted_minutes",
         }.get(self.kind)
-        if required and getattr(self, required) is None:
-            raise ValueError(f"{required}: required when kind is '{self.kind.value}'")
+        if required and getattr(self, required) is None and self.name is None:
+            raise ValueError(f"{required}: required when kind is '{self.kind.value}' (or name and value)")
         if self.session_id is None:
             if self.completion_id is None:
                 raise ValueError("session_id: required unless completion_id is set (feedback by completion id alone)")
@@ -475,6 +522,42 @@ class Feedback(EventBase):
                 )
         return self
 
+    @field_validator("value", mode="before")
+    @classmethod
+    def _score_value(cls, value: Any) -> Any:
+        """Name what is wrong with a value here: the union's own errors would speak of its first member only."""
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)):
+            if not (isinstance(value, int) or math.isfinite(value)) or abs(value) > MAX_SCORE_NUMBER:
+                raise ValueError(f"a number must be finite and within ±{MAX_SCORE_NUMBER:g} (got {value!r})")
+            return value
+        if isinstance(value, str):
+            if not 0 < len(value) <= MAX_CATEGORY:
+                raise ValueError(f"a category must be 1 to {MAX_CATEGORY} characters (got {len(value)})")
+            return value
+        raise ValueError(f"must be a number, true/false or a text label (got {type(value).__name__})")
+
+    def _check_named_score(self) -> None:
+        """A named score: kind ``score``, ``name`` and ``value`` given, ``data_type`` agreeing with the value."""
+        if self.kind is not FeedbackKind.SCORE:
+            field = "name" if self.name is not None else "value" if self.value is not None else "data_type"
+            raise ValueError(f"{field}: only for kind 'score' (got kind '{self.kind.value}')")
+        if self.name is None:
+            raise ValueError("name: required with value or data_type (a named score)")
+        if self.value is None:
+            raise ValueError("value: required for a named score (a number, true/false or a category)")
+        if self.score is not None:
+            raise ValueError("score: a named score carries its value in value, not score")
+        value, implied = self.value, score_data_type(self.value)
+        declared = self.data_type or implied
+        if declared == "boolean" and implied == "numeric" and value in (0, 1):
+            value, implied = bool(value), "boolean"  # Langfuse sends a boolean score as 1 or 0
+        if declared != implied:
+            raise ValueError(f"value: {value!r} is not {declared} (a {declared} score takes {_TAKES[declared]})")
+        object.__setattr__(self, "value", value)  # frozen: settled once, while it is validated
+        object.__setattr__(self, "data_type", declared)
+
     @property
     def attached(self) -> bool:
         """Whether the feedback names its session (else ingest has yet to find it from ``completion_id``)."""
@@ -484,6 +567,13 @@ class Feedback(EventBase):
     def kafka_key(self) -> str:
         """The session id, or for unattached feedback the completion id (canonical UUID text)."""
         return self.session_id if self.session_id is not None else str(self.completion_id)
+
+
+_TAKES: dict[str, str] = {
+    "numeric": "a number",
+    "boolean": "true or false (or 1 or 0)",
+    "categorical": "a non-empty text label",
+}
 
 
 class Outcome(EventBase):
