@@ -277,6 +277,11 @@ class Scope:
         see :meth:`Flywheel.feedback`."""
         return self._fw.feedback(self.session_id, kind, **fields)
 
+    def score(self, name: str, value: float | bool | str, **fields: Any) -> uuid.UUID | None:
+        """A named score of this session (or, with ``completion_id=``, one of its completions);
+        see :meth:`Flywheel.score`."""
+        return self._fw.score(self.session_id, name, value, **fields)
+
     def outcome(self, name: str, value: float | bool, **fields: Any) -> uuid.UUID | None:
         """A named outcome of this session; see :meth:`Flywheel.outcome`."""
         return self._fw.outcome(self.session_id, name, value, **fields)
@@ -560,6 +565,7 @@ class Flywheel:
         persisted_minutes: float | None = None,
         dissatisfied: bool | None = None,
         text: str | None = None,
+        comment: str | None = None,
         user_id: str | None = None,
     ) -> uuid.UUID | None:
         """Log what the user did with the agent's work: ``accept``, ``reject``, ``revert``, ``edit``, ``persisted``, ...
@@ -581,7 +587,38 @@ class Flywheel:
         sid, cid = self._resolve_target(target, session_id, completion_id)
         fields: dict[str, Any] = {"kind": _value(kind)}
         _add_optional(fields, score=score, edit_ratio=edit_ratio, persisted_minutes=persisted_minutes,
-                      dissatisfied=dissatisfied, text=text, user_id=user_id)  # fmt: skip
+                      dissatisfied=dissatisfied, text=text, comment=comment, user_id=user_id)  # fmt: skip
+        return self._feedback(sid, cid, fields)
+
+    def score(
+        self,
+        target: str | uuid.UUID | Scope,
+        name: str,
+        value: float | bool | str,
+        *,
+        data_type: Literal["numeric", "boolean", "categorical"] | None = None,
+        comment: str | None = None,
+        session_id: str | None = None,
+        completion_id: uuid.UUID | str | None = None,
+        user_id: str | None = None,
+    ) -> uuid.UUID | None:
+        """Log a named score of a session or one completion: a number, ``True``/``False``, or a category.
+
+        ``target`` is chosen as for :meth:`feedback` (a session id, a :class:`Session`, or a completion
+        id as ``uuid.UUID``). ``data_type`` (``numeric``, ``boolean``, ``categorical``) is inferred
+        from ``value`` when not given and must agree with it (``boolean`` also takes 1 and 0); a
+        ``comment`` says why (redacted like other free text). The score is a ``feedback`` event of
+        kind ``score``; it becomes reward only where its name has a rule (docs/rewards.md, the
+        ``scores`` extractor). Like every logging call it never raises: an invalid score is counted
+        in ``stats.invalid`` and logged, naming the field.
+        """
+        sid, cid = self._resolve_target(target, session_id, completion_id)
+        fields: dict[str, Any] = {"kind": FeedbackKind.SCORE.value, "name": name, "value": value}
+        _add_optional(fields, data_type=data_type, comment=comment, user_id=user_id)
+        return self._feedback(sid, cid, fields)
+
+    def _feedback(self, sid: str | None, cid: uuid.UUID | str | None, fields: dict[str, Any]) -> uuid.UUID | None:
+        """Send feedback fields to a resolved target: attached (and sampled) or by completion id alone."""
         if sid is None:
             return self._unattached_feedback(cid, fields)
         if not is_sampled(sid, self.settings.sample_rate):
