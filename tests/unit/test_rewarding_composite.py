@@ -105,7 +105,13 @@ def test_scorer_records_components_meta_and_stats() -> None:
     scorer = Scorer.from_settings(RewardingSettings(), no_judge)
     scored = scorer.score_sync(view(b))
     assert scored.reward == pytest.approx(0.0 + 0.5 * (-0.25))
-    assert scored.extractor_versions == {"outcome": "1", "shaping": "1", "summary": "1", "user_signal": "1"}
+    assert scored.extractor_versions == {
+        "outcome": "1",
+        "scores": "1",
+        "shaping": "1",
+        "summary": "1",
+        "user_signal": "1",
+    }
     meta = scored.components["_meta"]
     assert meta["n_events"] == 7 and meta["input_hash"] == view(b).input_hash()
     assert meta["stats"] == {

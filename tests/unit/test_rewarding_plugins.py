@@ -19,11 +19,12 @@ from rewarding.scorer import Scorer
 from rewarding.session_state import Session
 from rewarding.synthetic import SessionBuilder
 
-BUILT_IN = {"outcome", "user_signal", "grm", "shaping", "parl", "retrieval", "summary"}
+BUILT_IN = {"outcome", "user_signal", "grm", "shaping", "parl", "retrieval", "summary", "scores"}
 
-DEFAULT_HASH = "70a37cef2a99cf06e7a4ac0759178b084dc49c0cbbd612b0aecadbc7e3901ad7"
-"""``config_hash`` of the default settings (the extractors the default weights run) as reward rows
-recorded it when every extractor's settings were a field of the core's scoring settings."""
+DEFAULT_HASH = "bf73d66d31bca03c39e62bd95c5d4acd84b53ee7be5226de4ac843761c964604"
+"""``config_hash`` of the default settings (the extractors the default weights run). It was
+``70a37cef...01ad7``, as reward rows recorded it when every extractor's settings were a field of the
+core's scoring settings, until the built-in ``scores`` extractor (weight 1, no rules) was added."""
 
 
 def no_judge() -> str:

@@ -16,6 +16,7 @@ def _default_weights() -> dict[str, float]:
         "parl": 0.0,
         "retrieval": 0.0,
         "summary": 1.0,
+        "scores": 1.0,
     }
 
 
