@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 PATH = "/v1/feedback"
 SDK_ID = "flywheel-browser/1"
 """The ``sdk`` field of feedback that came through this route (``/1``: feedback token format 1)."""
-FIELDS = ("score", "edit_ratio", "persisted_minutes", "dissatisfied", "text")
-"""What a body may set beside ``token``, ``kind`` and ``id``: the contract's value fields."""
+FIELDS = ("score", "edit_ratio", "persisted_minutes", "dissatisfied", "text", "name", "value", "data_type", "comment")
+"""What a body may set beside ``token``, ``kind`` and ``id``: the contract's value fields (``name``, ``value``,
+``data_type`` and ``comment`` make a named score, kind ``score``)."""
 MAX_BODY_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
 PREFLIGHT_MAX_AGE_S = 600
@@ -68,6 +69,13 @@ REQUEST_BODY = {
                     "persisted_minutes": {"type": "number", "minimum": 0},
                     "dissatisfied": {"type": "boolean"},
                     "text": {"type": "string"},
+                    "name": {"type": "string", "description": "A named score's name (kind `score`)."},
+                    "value": {
+                        "type": ["number", "boolean", "string"],
+                        "description": "A named score's value: a number, true/false, or a category.",
+                    },
+                    "data_type": {"type": "string", "enum": ["numeric", "boolean", "categorical"]},
+                    "comment": {"type": "string", "maxLength": 4096},
                     "id": {"type": "string", "description": "Idempotency key: the same id on a retry."},
                 },
             }
