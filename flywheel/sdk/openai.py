@@ -2,7 +2,9 @@
 
 ``fw.wrap_openai(client)`` (or :func:`wrap`) patches the client's
 ``chat.completions.create`` and ``completions.create`` in place and returns the same
-client. A call made inside a session (the current one of this context, or an explicit
+client; also ``chat.completions.parse`` / ``.stream`` (and ``beta.chat.completions``' where
+present) and ``responses.create`` / ``.parse`` / ``.stream`` (read by
+:mod:`flywheel.sdk.openai_responses`). A call made inside a session (the current one of this context, or an explicit
 ``session=`` argument, which the wrapper removes before calling OpenAI) is logged as one
 ``completion`` event per choice, with:
 
