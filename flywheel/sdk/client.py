@@ -708,12 +708,20 @@ class Flywheel:
 
     # -- the OpenAI client ------------------------------------------------------------------
 
-    def wrap_openai(self, client: C, *, request_token_data: bool = True) -> C:
-        """Log every chat / text completion of an ``openai.OpenAI`` or ``AsyncOpenAI`` client;
-        see :mod:`flywheel.sdk.openai`."""
+    def wrap_openai(self, client: C, *, request_token_data: bool | Literal["auto"] = "auto") -> C:
+        """Log every completion of an ``openai.OpenAI`` or ``AsyncOpenAI`` client (chat, text, the
+        Responses API and the parse/stream helpers); see :mod:`flywheel.sdk.openai`.
+        ``request_token_data="auto"`` asks for token ids and logprobs where the server accepts them."""
         from flywheel.sdk.openai import wrap  # lazy: the openai library only for a product that wraps a client
 
         return wrap(client, self, request_token_data=request_token_data)
+
+    def wrap_anthropic(self, client: C) -> C:
+        """Log every message of an ``anthropic.Anthropic`` or ``AsyncAnthropic`` client; see
+        :mod:`flywheel.sdk.anthropic`."""
+        from flywheel.sdk.anthropic import wrap_anthropic  # lazy: the anthropic library only when wrapping one
+
+        return wrap_anthropic(client, self)
 
     # -- the hot path -----------------------------------------------------------------------
 
@@ -789,6 +797,7 @@ class Flywheel:
             send_failures=values["send_failures"],
             errors=values["errors"],
             token_data_redacted=values["token_data_redacted"],
+            token_data_refused=values["token_data_refused"],
             queued=len(self._queue),
             spool_bytes=spool.bytes if spool is not None else 0,
         )

@@ -239,6 +239,9 @@ class SdkStats:
     """Completions built without some of their token data because redaction changed the text it encodes:
     ``completion_token_ids`` and ``logprobs`` (completion text or a tool call changed), ``prompt_token_ids``
     (prompt text or a prompt message changed), or both. The trainer cannot train on them."""
+    token_data_refused: int
+    """Calls the OpenAI wrapper made again without a token-data field the server refused
+    (``request_token_data="auto"``: ``return_token_ids``, ``logprobs``); see :mod:`flywheel.sdk.openai`."""
     queued: int
     """Records waiting in memory now."""
     spool_bytes: int

@@ -6,6 +6,8 @@ The wrapper with the official client against a real local server is in
 
 from __future__ import annotations
 
+import pytest
+
 from flywheel.sdk.anthropic import MessageAccumulator, parse_message, request_fields
 
 
@@ -78,3 +80,18 @@ def test_accumulator_joins_text_and_tool_input_deltas() -> None:
         }
     )
     assert empty_input.results()[0]["tool_calls"][0]["arguments"] == "{}"
+
+
+def test_the_client_method_wraps_like_the_function(tmp_path) -> None:
+    anthropic = pytest.importorskip("anthropic", reason="the SDK does not install anthropic (sdk-compat venvs)")
+
+    from flywheel.sdk import Flywheel
+    from flywheel.sdk.transports.memory import MemoryTransport
+
+    fw = Flywheel(project="anthropic-method", transport=MemoryTransport(), spool_dir=tmp_path)
+    try:
+        client = anthropic.Anthropic(api_key="x", base_url="http://anthropic.invalid")
+        assert fw.wrap_anthropic(client) is client and client._flywheel_wrapped is fw  # type: ignore[attr-defined]
+        assert fw.stats.token_data_refused == 0
+    finally:
+        fw.close(1)
