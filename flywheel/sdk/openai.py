@@ -25,7 +25,9 @@ present) and ``responses.create`` / ``.parse`` / ``.stream`` (read by
 
 Inside a session (logged or not sampled) the wrapper also sends the request header
 ``x-flywheel-session-id`` (through ``extra_headers``, unless the agent set it), so the
-router keeps the session on one policy version.
+router keeps the session on one policy version, and the scope's span as
+``x-flywheel-span-id`` / ``x-flywheel-agent-role``, so a router that captures the
+completion records it in the same agent span.
 
 Streams are observed chunk by chunk and logged when they end (or are closed early,
 then with what was received). For a stream the wrapper also asks for
@@ -72,6 +74,8 @@ log = logging.getLogger("flywheel.sdk")
 
 POLICY_VERSION_HEADER = headers.POLICY_VERSION
 SESSION_HEADER = headers.SESSION_ID
+SPAN_HEADER = headers.SPAN_ID
+ROLE_HEADER = headers.AGENT_ROLE
 SERVED_BY_HEADER = headers.REPLICA
 COMPLETION_IDS_HEADER = headers.COMPLETION_IDS
 IDS_ATTRIBUTE = "_flywheel_completion_ids"
@@ -145,18 +149,29 @@ def prepare_request(
     return out, injected_usage
 
 
-def with_session_header(kwargs: Mapping[str, Any], session_id: str | None) -> dict[str, Any]:
+def with_session_header(
+    kwargs: Mapping[str, Any], session_id: str | None, span: tuple[str, str] | None = None
+) -> dict[str, Any]:
     """The call's keyword arguments with ``x-flywheel-session-id`` in ``extra_headers`` (for the router's
-    sticky routing), unless the agent set that header itself (in any letter case) or there is no session."""
+    sticky routing), unless the agent set that header itself (in any letter case) or there is no session.
+
+    ``span``: the current scope's span id and role, sent as ``x-flywheel-span-id`` and
+    ``x-flywheel-agent-role`` (each unless the agent set it), so a router that captures the
+    completion records it in the same agent span as the SDK does.
+    """
     out = dict(kwargs)
     if not session_id:
         return out
     given = out.get("extra_headers")
     headers = dict(given) if isinstance(given, Mapping) else {}
-    if any(isinstance(k, str) and k.lower() == SESSION_HEADER for k in headers):
+    present = {k.lower() for k in headers if isinstance(k, str)}
+    wanted = {SESSION_HEADER: session_id}
+    if span is not None:
+        wanted |= {SPAN_HEADER: span[0], ROLE_HEADER: span[1]}
+    added = {name: value for name, value in wanted.items() if name not in present}
+    if not added:
         return out
-    headers[SESSION_HEADER] = session_id
-    out["extra_headers"] = headers
+    out["extra_headers"] = headers | added
     return out
 
 
@@ -497,7 +512,7 @@ def _begin(
     """
     target = _target_scope(kwargs.pop("session", None))
     if target is not None:
-        kwargs.update(with_session_header(kwargs, target.session_id))
+        kwargs.update(with_session_header(kwargs, target.session_id, (target.span_id, target.role)))
     scope = target if target is not None and target.sampled else None
     if scope is None:
         return None

@@ -37,7 +37,7 @@ import orjson
 
 from flywheel.core import kafka_clients
 from flywheel.core.contracts import headers
-from flywheel.core.contracts.events import Completion, dump_event
+from flywheel.core.contracts.events import Completion, SpanRef, dump_event
 from flywheel.core.contracts.ids import uuid7
 from flywheel.core.contracts.topics import events_topic
 from flywheel.core.endpoints import kafka_bootstrap
@@ -84,10 +84,27 @@ def _dumps(data: Any, fast: bool) -> bytes:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def _span_ref(span_id: str | None, role: str | None) -> SpanRef:
+    """The span a request names in its headers; what is absent or not a valid name stays at the root agent's."""
+    fields: dict[str, str] = {}
+    if name := as_name(span_id):
+        fields["span_id"] = name
+    if isinstance(role, str) and 0 < len(role) <= 64:
+        fields["role"] = role
+    return SpanRef(**fields)
+
+
 class Capture:
     """One proxied request being captured: what was asked, what the client wanted back, the answer so far."""
 
-    def __init__(self, kind: Kind, payload: dict[str, Any], project: str, session_id: str | None):
+    def __init__(
+        self,
+        kind: Kind,
+        payload: dict[str, Any],
+        project: str,
+        session_id: str | None,
+        span: tuple[str | None, str | None] = (None, None),
+    ):
         self.kind = kind
         self.project = project
         self.started = time.monotonic()
@@ -97,6 +114,7 @@ class Capture:
         self.n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
         self.ids = [uuid7() for _ in range(self.n)]
         self.session_id = as_name(session_id) or f"router-{self.ids[0]}"
+        self.span = _span_ref(*span)
         self.keep_token_ids = given(payload.get("return_token_ids")) and payload["return_token_ids"] is not False
         logprobs = payload.get("logprobs")
         self.keep_logprobs = given(logprobs) and logprobs is not False
@@ -106,9 +124,19 @@ class Capture:
         self._sse_tail = b""
 
     @classmethod
-    def begin(cls, path: str, payload: dict[str, Any], project: str, session_id: str | None) -> Capture | None:
+    def begin(
+        cls,
+        path: str,
+        payload: dict[str, Any],
+        project: str,
+        session_id: str | None,
+        span: tuple[str | None, str | None] = (None, None),
+    ) -> Capture | None:
         """A capture of this request, after asking vLLM in ``payload`` for token ids and logprobs; None
-        for a request that cannot be recorded as one completion per choice (a batch of prompts, too many choices)."""
+        for a request that cannot be recorded as one completion per choice (a batch of prompts, too many choices).
+
+        ``span``: the agent span's id and role from the request (``x-flywheel-span-id``,
+        ``x-flywheel-agent-role``); absent or malformed, the session's root agent."""
         kind: Kind = "chat" if path.endswith("/chat/completions") else "text"
         prompt = payload.get("prompt")
         if kind == "text" and not isinstance(prompt, str):
@@ -116,7 +144,7 @@ class Capture:
         n = payload.get("n")
         if n is not None and not (isinstance(n, int) and 1 <= n <= MAX_CHOICES):
             return None
-        capture = cls(kind, payload, project, session_id)
+        capture = cls(kind, payload, project, session_id, span)
         payload["return_token_ids"] = True
         if not capture.keep_logprobs:
             if kind == "chat":
@@ -222,6 +250,7 @@ class Capture:
                     sdk=PRODUCER,
                     policy_version=as_name(policy_version) or "unknown",
                     served_by=served_by,
+                    span=self.span,
                     latency_ms=min(latency_ms, 86_400_000.0),
                     **content,
                 )

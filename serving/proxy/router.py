@@ -83,6 +83,8 @@ SESSION_HEADER = headers.SESSION_ID
 POLICY_VERSION_HEADER = headers.POLICY_VERSION.encode()
 REPLICA_HEADER = headers.REPLICA.encode()
 _SESSION_HEADER_BYTES = SESSION_HEADER.encode()
+_SPAN_HEADER_BYTES = headers.SPAN_ID.encode()
+_ROLE_HEADER_BYTES = headers.AGENT_ROLE.encode()
 SSE_DONE = b"data: [DONE]"
 """The event that ends a complete OpenAI stream; a stream that ends without it broke."""
 PROXIED = {"/v1/chat/completions", "/v1/completions"}
@@ -627,13 +629,15 @@ class Router:
         receive: Receive,
         send: Send,
         project: str | None = None,
+        span: tuple[str | None, str | None] = (None, None),
     ) -> None:
         """Send one completion request to a replica (retrying before the first byte), answer the client;
-        captured as events when ``project`` has capture on (:mod:`serving.proxy.capture`)."""
+        captured as events when ``project`` has capture on (:mod:`serving.proxy.capture`), in the agent
+        span ``span`` (span id and role from the request's headers)."""
         capture = None
         if self.capture is not None and self.cfg.capture.covers(project):
             assert project is not None
-            capture = Capture.begin(path, payload, project, session_id)
+            capture = Capture.begin(path, payload, project, session_id, span)
         decision = await self.decide(session_id)
         version = decision.policy_version
         stream = payload.get("stream") is True
@@ -976,7 +980,7 @@ class RouterApp:
     async def _completion(
         self, scope: Scope, path: str, receive: Receive, send: Send, project: str | None = None
     ) -> None:
-        session_id = None
+        session_id = span_id = role = None
         limit = self.router.cfg.max_request_bytes
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -986,6 +990,10 @@ class RouterApp:
                     raise RouterError(413, _too_large(limit, int(value)), "request_too_large")
             elif name == _SESSION_HEADER_BYTES:
                 session_id = value.decode("latin-1") or None
+            elif name == _SPAN_HEADER_BYTES:
+                span_id = value.decode("latin-1") or None
+            elif name == _ROLE_HEADER_BYTES:
+                role = value.decode("latin-1") or None
         raw = await _read_body(receive, limit)
         try:
             payload = json.loads(raw)
@@ -1000,7 +1008,7 @@ class RouterApp:
         if session_id is None:
             user = payload.get("user")
             session_id = user if isinstance(user, str) and user else None
-        await self.router.proxy(path, payload, session_id, receive, send, project)
+        await self.router.proxy(path, payload, session_id, receive, send, project, (span_id, role))
 
 
 def _header(scope: Scope, wanted: bytes) -> str | None:

@@ -168,7 +168,8 @@ def test_a_chat_completion_is_captured_with_token_ids_logprobs_versions_and_samp
     messages = [{"role": "system", "content": "You add."}, {"role": "user", "content": "2+3="}]
     raw = client(served).chat.completions.with_raw_response.create(
         model=served.model, messages=messages, max_tokens=8, n=2, temperature=0.7, top_p=0.9, seed=7,
-        extra_headers={"x-flywheel-session-id": "conversation-1"},
+        extra_headers={"x-flywheel-session-id": "conversation-1", "x-flywheel-span-id": "planner",
+                       "x-flywheel-agent-role": "orchestrator"},
     )  # fmt: skip
     answer = raw.parse()
     ids = header_ids(raw.headers)
@@ -184,6 +185,7 @@ def test_a_chat_completion_is_captured_with_token_ids_logprobs_versions_and_samp
         assert (event.project, event.session_id, event.event_id) == (CAPTURED, "conversation-1", completion_id)
         assert (event.policy_version, event.served_by, event.model) == (served.version, served.replica_id, served.model)
         assert event.sdk is not None and event.sdk.startswith("flywheel-router/")
+        assert (event.span.span_id, event.span.role) == ("planner", "orchestrator")
         assert [m.content for m in event.prompt_messages] == ["You add.", "2+3="]
         assert (event.sampling.temperature, event.sampling.top_p, event.sampling.max_tokens) == (0.7, 0.9, 8)
         assert event.sampling.seed == 7
@@ -291,7 +293,7 @@ def test_the_sdk_and_the_router_record_one_completion_under_one_id(
     transport = MemoryTransport()
     with Flywheel(project=CAPTURED, transport=transport, spool_dir=tmp_path) as fw:
         wrapped = fw.wrap_openai(client(served))
-        with fw.session():
+        with fw.session() as s, s.span("subagent"):
             messages = [{"role": "user", "content": "3+3="}]
             if stream:
                 chunks = wrapped.chat.completions.create(model=served.model, messages=messages, max_tokens=4,
@@ -310,6 +312,7 @@ def test_the_sdk_and_the_router_record_one_completion_under_one_id(
     for event in sdk:
         captured = routed[event.completion_id]
         assert captured.event_id == event.event_id and captured.session_id == event.session_id
+        assert captured.span == event.span and event.span.role == "subagent"  # the SDK's span headers
         assert (captured.completion_text, captured.completion_token_ids) == (
             event.completion_text, event.completion_token_ids,
         )  # fmt: skip

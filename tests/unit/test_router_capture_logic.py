@@ -196,3 +196,16 @@ def test_an_answer_the_fast_parser_refuses_passes_as_vllm_wrote_it() -> None:
     assert json.loads(plain)["choices"][0]["logprobs"] == chat_answer()["choices"][0]["logprobs"]
     streamed = capture.stream_chunk(sse({**answer, "object": "chat.completion.chunk"}))
     assert b"-Infinity" in streamed
+
+
+def test_the_span_a_request_names_is_recorded_and_a_malformed_one_is_the_root() -> None:
+    payload = {"model": "m", "messages": [{"role": "user", "content": "2+3="}]}
+    capture = Capture.begin("/v1/chat/completions", dict(payload), "shop", "s1", ("sub-2", "subagent"))
+    assert capture is not None
+    [event] = capture.events(capture.whole(json.dumps(chat_answer()).encode())[1], "v7", None, "3")
+    assert (event.span.span_id, event.span.role) == ("sub-2", "subagent")
+    for span in ((None, None), ("", "x" * 65)):
+        capture = Capture.begin("/v1/chat/completions", dict(payload), "shop", "s1", span)
+        assert capture is not None
+        [event] = capture.events(capture.whole(json.dumps(chat_answer()).encode())[1], "v7", None, "3")
+        assert (event.span.span_id, event.span.role) == ("root", "agent")

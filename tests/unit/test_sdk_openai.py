@@ -398,6 +398,11 @@ def test_with_session_header_adds_the_session_unless_the_agent_set_it() -> None:
     mine = {"X-Flywheel-Session-Id": "agent-chosen"}
     assert with_session_header({"extra_headers": mine}, "s-1")["extra_headers"] == mine
     assert "extra_headers" not in with_session_header({"model": "m"}, None)
+    # the span's id and role go with the session, each unless the agent set it
+    out = with_session_header({"extra_headers": {"x-flywheel-agent-role": "mine"}}, "s-1", ("sub-1", "subagent"))
+    assert out["extra_headers"] == {
+        "x-flywheel-agent-role": "mine", SESSION_HEADER: "s-1", "x-flywheel-span-id": "sub-1",
+    }  # fmt: skip
 
 
 def _recording_client(seen: list[Any]) -> openai.OpenAI:
@@ -436,3 +441,5 @@ def test_wrapped_client_sends_the_session_header_of_its_session(tmp_path) -> Non
     finally:
         fw.close(2)
     assert [r.headers.get("x-flywheel-session-id") for r in seen] == [s.session_id, "own", None, quiet.session_id]
+    assert [r.headers.get("x-flywheel-span-id") for r in seen] == ["root", "root", None, "root"]
+    assert [r.headers.get("x-flywheel-agent-role") for r in seen] == ["agent", "agent", None, "agent"]

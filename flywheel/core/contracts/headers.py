@@ -5,6 +5,12 @@ from __future__ import annotations
 SESSION_ID = "x-flywheel-session-id"
 """Request header naming the agent's session: the router keeps a session on one policy version
 (sticky routing), and the SDK's openai wrapper sends it with every call."""
+SPAN_ID = "x-flywheel-span-id"
+"""Request header naming the agent span (``SpanRef.span_id``) a call is made in; the SDK's openai
+wrapper sends it with the session header, and router-side capture records it on the completion."""
+AGENT_ROLE = "x-flywheel-agent-role"
+"""Request header naming the role of that span's agent (``SpanRef.role``: ``agent``, ``orchestrator``,
+``subagent``, ...); sent and recorded with :data:`SPAN_ID`."""
 POLICY_VERSION = "x-flywheel-policy-version"
 """Response header of the router: the policy version that produced the response."""
 REPLICA = "x-flywheel-replica"
