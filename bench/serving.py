@@ -21,6 +21,9 @@ uvicorn with uvloop/httptools), exactly as it runs in production.
    broker (the stack's, started for this phase): ``capture_vs_direct_throughput`` (target
    >= 0.9), ``capture_added_p50_ms`` (target <= 1) and ``captured_ratio``, the completions
    Kafka acknowledged over those answered 200 (target 1.0, with ``capture_dropped`` 0).
+   Then vLLM's own share of that cost, direct both ways: the same load as is and asking for
+   the token ids and logprobs the capturing router asks for
+   (``direct_token_data_vs_direct_throughput``, ``direct_token_data_added_p50_ms``).
 3. **Rolling swaps.** Both replicas serving; the same constant load through the router
    while ``--swaps`` rolling swaps (:func:`serving.fleet.swap.rolling_swap`, one replica at a
    time) alternate the fleet between two checkpoints (the base and a copy of its folder).
@@ -110,7 +113,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _load(base_url: str, model: str, concurrency: int, max_tokens: int, stop: asyncio.Event,
-                seconds: float | None) -> LoadResult:  # fmt: skip
+                seconds: float | None, extra: dict[str, Any] | None = None) -> LoadResult:  # fmt: skip
     """``concurrency`` clients in a closed loop until ``stop`` is set (or ``seconds`` pass)."""
     import aiohttp
 
@@ -122,7 +125,7 @@ async def _load(base_url: str, model: str, concurrency: int, max_tokens: int, st
         n = i
         while not stop.is_set():
             body = {"model": model, "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+                    "temperature": 0.0, "ignore_eos": True, **(extra or {})}  # fmt: skip
             n += concurrency
             start = time.perf_counter()
             try:
@@ -149,9 +152,11 @@ async def _load(base_url: str, model: str, concurrency: int, max_tokens: int, st
     return result
 
 
-def run_load(base_url: str, model: str, concurrency: int, max_tokens: int, seconds: float) -> LoadResult:
-    """A timed closed-loop load phase."""
-    return _run(_load(base_url, model, concurrency, max_tokens, asyncio.Event(), seconds))
+def run_load(
+    base_url: str, model: str, concurrency: int, max_tokens: int, seconds: float, extra: dict[str, Any] | None = None
+) -> LoadResult:
+    """A timed closed-loop load phase (``extra``: fields added to every request's body)."""
+    return _run(_load(base_url, model, concurrency, max_tokens, asyncio.Event(), seconds, extra))
 
 
 def _run(coro: Any) -> Any:
@@ -348,12 +353,14 @@ class CpuLayout:
     thread is restored on exit. Fewer than two usable cores: no layout (``shared``).
     """
 
-    def __init__(self, replica_pid: int, router_pid: int):
+    def __init__(self, replica_pid: int, router_pid: int, others: tuple[int, ...] = ()):
         cores = sorted(os.sched_getaffinity(0))
         self.enabled = len(cores) >= 2
         self.replica_cores = set(cores[: len(cores) // 2])
         self.client_cores = set(cores[len(cores) // 2 :])
         self.replica_pid, self.router_pid = replica_pid, router_pid
+        self.others = others
+        """More processes kept off the replica's cores (the broker in phase 2: infrastructure of its own)."""
         self._saved: dict[int, set[int]] = {}
 
     def _pin(self, tids: list[int], cores: set[int]) -> None:
@@ -368,6 +375,8 @@ class CpuLayout:
         if self.enabled:
             self._pin(_threads_of_tree(self.replica_pid), self.replica_cores)
             self._pin(_threads_of_tree(self.router_pid), self.client_cores)
+            for pid in self.others:
+                self._pin(_threads_of_tree(pid), self.client_cores)
             import psutil
 
             self._pin([t.id for t in psutil.Process().threads()], self.client_cores)  # not our children
@@ -449,6 +458,26 @@ def router_vs_direct(direct_url: str, router_url: str, model: str, args: argpars
         out["c1_router_p50_ms"] = percentile(r1.latencies_ms, 0.5)
         out["c1_router_added_p50_ms"] = out["c1_router_p50_ms"] - out["c1_direct_p50_ms"]
     return out
+
+
+TOKEN_DATA = {"return_token_ids": True, "logprobs": 0}
+"""What the capturing router asks vLLM for on a text completion whose client asked for neither."""
+
+
+def token_data_cost(direct_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's own share of capture's cost: the same load direct, as is and asking for :data:`TOKEN_DATA`
+    (what the capturing router adds to each request), in alternating rounds."""
+    plain, asked = LoadResult(), LoadResult()
+    for i in range(args.rounds):
+        order = [(None, plain), (TOKEN_DATA, asked)]
+        for extra, total in order if i % 2 == 0 else order[::-1]:
+            total.merge(run_load(direct_url, model, args.concurrency, args.max_tokens, args.seconds, extra))
+    plain_rps = plain.ok / plain.seconds if plain.seconds else 0.0
+    asked_rps = asked.ok / asked.seconds if asked.seconds else 0.0
+    return {
+        "direct_token_data_vs_direct_throughput": asked_rps / max(plain_rps, 1e-9),
+        "direct_token_data_added_p50_ms": percentile(asked.latencies_ms, 0.5) - percentile(plain.latencies_ms, 0.5),
+    }
 
 
 def capture_vs_direct(direct_url: str, capture_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -593,7 +622,7 @@ def main() -> None:
         from flywheel.stack.endpoints import kafka_bootstrap
         from ingest.topics import ensure_topics
 
-        up(settings, components=["broker"])
+        broker = up(settings, components=["broker"]).components["broker"]
         bootstrap = kafka_bootstrap(settings)
         ensure_topics(settings.model_copy(update={"kafka": settings.kafka.model_copy(
             update={"bootstrap_servers": bootstrap})}), bootstrap)  # fmt: skip
@@ -608,16 +637,19 @@ def main() -> None:
         try:
             capture_url = f"http://127.0.0.1:{CAPTURE_PORT}"
             _wait_routable(capture_url, engine, {urls[0]})
-            layout = CpuLayout(records[0].pid, capture_router.pid) if args.layout == "fixed" else None
+            others = (broker.pid,) if broker.pid else ()
+            layout = CpuLayout(records[0].pid, capture_router.pid, others) if args.layout == "fixed" else None
             if layout is not None:
                 with layout:
                     result.update(capture_vs_direct(urls[0], capture_url, base, args))
+                    result.update(token_data_cost(urls[0], base, args))
             else:
                 result.update(capture_vs_direct(urls[0], capture_url, base, args))
+                result.update(token_data_cost(urls[0], base, args))
         finally:
             capture_router.terminate()
             capture_router.wait(30)
-        print(json.dumps({k: v for k, v in result.items() if k.startswith("capture")}), flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k.startswith(("capture", "direct_token"))}), flush=True)
 
         _set_state(engine, urls[1], "serving")
         _wait_routable(router_url, engine, set(urls))
