@@ -50,6 +50,7 @@ from flywheel.core.contracts.ids import uuid7_time_ms
 from flywheel.core.contracts.topics import dead_letter_topic, events_topic
 from flywheel.core.endpoints import kafka_bootstrap, libpq_conninfo, postgres_url
 from flywheel.core.settings import Settings
+from flywheel.core.settings.ingest import IngestSettings
 from ingest import metrics
 from ingest.limits import Limits, check_record_limit
 from ingest.pending import ResolveResult, ResolveSettings, resolve_round
@@ -79,6 +80,19 @@ RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 5.0
 KAFKA_TIMEOUT_S = 30.0
 """How long one DLQ publish or offset commit may take before it counts as failed."""
+
+
+def group_timeouts_ms(ingest: IngestSettings) -> tuple[int, int]:
+    """The consumer's (session timeout, heartbeat interval) in ms.
+
+    The session timeout is ``ingest.session_timeout_ms``, at most ``max_poll_interval_ms``. A
+    killed consumer's partitions move only once its session timed out, and Tansu holds every
+    JoinGroup for about half the session timeout, so a replacement writes within about twice it
+    (docs/reliability.md, "Joining after a stop"). Heartbeats go three times per session, at
+    most every 3 s.
+    """
+    session = min(ingest.session_timeout_ms, ingest.max_poll_interval_ms)
+    return session, min(3000, session // 3)
 
 
 class RecordLike(Protocol):
@@ -330,7 +344,7 @@ class IngestConsumer:
 
     def _make_consumer(self):
         ingest = self.settings.ingest
-        session_timeout = min(ingest.max_poll_interval_ms, 45_000)
+        session_timeout, heartbeat_interval = group_timeouts_ms(ingest)
         consumer = kafka_clients.consumer(
             self.bootstrap,
             security=self.settings.kafka.security(),
@@ -340,10 +354,8 @@ class IngestConsumer:
             auto_offset_reset="earliest",
             max_poll_records=ingest.batch_max_events,
             max_poll_interval_ms=ingest.max_poll_interval_ms,
-            # A crashed consumer's partitions move after the session timeout; Tansu also holds
-            # a group's first join for about half of it. Tied to max_poll_interval_ms (capped).
             session_timeout_ms=session_timeout,
-            heartbeat_interval_ms=min(3000, session_timeout // 3),
+            heartbeat_interval_ms=heartbeat_interval,
             fetch_max_bytes=max(FETCH_MAX_BYTES, self.record_bytes),
             max_partition_fetch_bytes=self.record_bytes,
             fetch_max_wait_ms=min(100, ingest.batch_max_wait_ms),

@@ -44,7 +44,12 @@ class IngestSettings(BaseModel):
     batch_max_wait_ms: int = Field(200, ge=1, le=60000)
     """Longest a partial batch waits before it is written."""
     max_poll_interval_ms: int = Field(30000, ge=1000, le=3600000)
-    """Kafka max.poll.interval (Tansu's first join waits this long: keep it small in tests)."""
+    """Kafka max.poll.interval: a consumer that does not poll for this long leaves its group (kafka-python
+    also sends it as the rebalance timeout)."""
+    session_timeout_ms: int = Field(10000, ge=1000, le=300000)
+    """Kafka session timeout of a consumer (at most max_poll_interval_ms): a killed consumer's partitions move
+    to another one after it. Tansu holds every join for about half of it, so a consumer started after others
+    of its group stopped writes within about this long (they left cleanly) or twice it (they were killed)."""
     gateway_host: str = "127.0.0.1"
     """Address the HTTP gateway binds."""
     gateway_port: int = Field(18080, ge=1, le=65535)
