@@ -723,6 +723,13 @@ class Flywheel:
 
         return wrap_anthropic(client, self)
 
+    def litellm_callback(self) -> Any:
+        """A LiteLLM callback logging each chat completion into the current session:
+        ``litellm.callbacks = [fw.litellm_callback()]``; see :mod:`flywheel.sdk.litellm`."""
+        from flywheel.sdk.litellm import FlywheelCallback  # lazy: LiteLLM only for a product that uses it
+
+        return FlywheelCallback(self)
+
     # -- the hot path -----------------------------------------------------------------------
 
     def _put(
