@@ -101,7 +101,8 @@ class RewardingSettings(BaseModel):
     session_timeout_broker_s: float = Field(10.0, ge=1.0, le=300.0)
     """Consumer-group session timeout (a killed worker's partitions move after this)."""
     rebalance_timeout_s: float = Field(10.0, ge=1.0, le=600.0)
-    """Consumer-group rebalance timeout (Tansu's first join waits this long)."""
+    """Consumer-group rebalance timeout. Tansu's joins wait about half of session_timeout_broker_s, not this
+    (docs/reliability.md, "Joining after a stop")."""
     max_poll_interval_s: float = Field(300.0, ge=1.0, le=3600.0)
     """Longest gap between polls before the broker drops the worker from its group."""
     commit_interval_s: float = Field(1.0, gt=0.0, le=60.0)
