@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -78,12 +79,21 @@ class ThreadIo:
                 self.seen.append(f"{event} {args[:2]!r}")
 
     def watch(self) -> None:
-        """Record the calling thread's operations from now on (forgetting earlier ones)."""
+        """Record the calling thread's operations from now on (forgetting earlier ones).
+
+        Garbage that earlier tests left is collected first, and the cyclic collector is off
+        while watching: a CI run once saw the finaliser of another module's abandoned asyncio
+        task ("Task was destroyed but it is pending!") run on this thread and read source
+        files for its log's traceback, which is nothing the SDK did.
+        """
+        gc.collect()
+        gc.disable()
         self.thread, self.seen = threading.get_ident(), []
 
     def stop(self) -> list[str]:
         """Stop recording; what the thread did while watched."""
         self.thread = None
+        gc.enable()
         return self.seen
 
 

@@ -94,10 +94,13 @@ def test_chat_parse_and_stream_helpers(vllm_replica, fw: Flywheel) -> None:
     client = wrap(openai.OpenAI(base_url=f"{vllm_replica.url}/v1", api_key="unused", max_retries=0), fw)
     session = fw.session()
     with session as s:
-        parsed = client.chat.completions.parse(model=vllm_replica.model, messages=INPUT, max_tokens=8)
+        parsed = client.chat.completions.parse(model=vllm_replica.model, messages=INPUT, max_tokens=32, temperature=0)
     # session= on the helper: the request is made when the block opens, outside any `with fw.session()`
     s2 = fw.session()
-    with s2, client.chat.completions.stream(model=vllm_replica.model, messages=INPUT, max_tokens=8) as whole:
+    with (
+        s2,
+        client.chat.completions.stream(model=vllm_replica.model, messages=INPUT, max_tokens=32, temperature=0) as whole,
+    ):
         text = "".join(e.delta for e in whole if e.type == "content.delta")
     resumed = fw.session(s.session_id, resume=True)
     with client.chat.completions.stream(
