@@ -233,19 +233,12 @@ def build_event(grant: feedback_tokens.FeedbackGrant, data: dict[str, Any], now:
     return event
 
 
-async def _read(request: Request, limit: int) -> bytes:
-    """The body, or raise :class:`FeedbackError` (413) past ``limit`` bytes (declared or streamed)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise FeedbackError(413, f"body of {declared} bytes is over the feedback route's limit of {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise FeedbackError(413, f"body is over the feedback route's limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def too_large(declared: str | None, limit: int) -> FeedbackError:
+    """The 413 of a body over the feedback route's ``limit``: ``declared`` is its Content-Length, ``None``
+    when the streamed body ran past it."""
+    if declared is None:
+        return FeedbackError(413, f"body is over the feedback route's limit of {limit} bytes")
+    return FeedbackError(413, f"body of {declared} bytes is over the feedback route's limit of {limit}")
 
 
 def cors_headers(origin: str | None, allowed: frozenset[str]) -> dict[str, str]:
@@ -264,7 +257,7 @@ def register(
     key_cache_ttl_s: float = 10.0,
 ) -> None:
     """Add ``OPTIONS`` and ``POST /v1/feedback`` to the gateway ``app``; ``producer()`` gives its producer."""
-    from ingest.gateway import produce  # the gateway module registers this one
+    from ingest.gateway import produce, read_body  # the gateway module registers this one
 
     keys = SigningKeys(db_url, ttl_s=key_cache_ttl_s, miss_s=min(2.0, key_cache_ttl_s))
     allowed = frozenset(origin.lower() for origin in settings.ingest.feedback_cors_origins)
@@ -322,7 +315,7 @@ def register(
             media = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
                 raise FeedbackError(415, f"content-type must be application/json (got {media or 'none'})")
-            data = decode_body(await _read(request, body_limit))
+            data = decode_body(await read_body(request, body_limit, too_large, check_length=False))
             grant, _ = await run_in_threadpool(authorize, keys, data["token"])
             event = build_event(grant, data)
             await run_in_threadpool(produce, producer(), topic, [event])

@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -213,20 +213,37 @@ def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) a declared or streamed size over ``limit`` bytes."""
+def too_large(declared: str | None, limit: int) -> HTTPException:
+    """The 413 of a body over ``ingest.max_body_bytes``: ``declared`` is its Content-Length, ``None`` when
+    the streamed body ran past ``limit``."""
+    if declared is None:
+        return HTTPException(413, f"body is over the limit ingest.max_body_bytes = {limit}")
+    return HTTPException(413, f"body of {declared} bytes is over the limit ingest.max_body_bytes = {limit}")
+
+
+async def read_body(
+    request: Request,
+    limit: int,
+    refuse: Callable[[str | None, int], HTTPException] = too_large,
+    *,
+    check_length: bool = True,
+) -> bytes:
+    """The request body, raising ``refuse(declared, limit)`` for a declared (``declared``: the Content-Length)
+    or streamed (``None``) size over ``limit`` bytes; a Content-Length that is not a number is refused
+    (400) when ``check_length``, else left to the streamed size."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
-            raise HTTPException(400, "invalid Content-Length header")
-        if int(declared) > limit:
-            raise HTTPException(413, f"body of {declared} bytes is over the limit ingest.max_body_bytes = {limit}")
+            if check_length:
+                raise HTTPException(400, "invalid Content-Length header")
+        elif int(declared) > limit:
+            raise refuse(declared, limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise HTTPException(413, f"body is over the limit ingest.max_body_bytes = {limit}")
+            raise refuse(None, limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
