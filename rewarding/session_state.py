@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from flywheel.core.contracts.events import (
+    BudgetEnforcement,
     Completion,
     ContextUpdate,
     Event,
@@ -216,6 +217,8 @@ class Session:
     contexts: tuple[ContextUpdate, ...]
     feedback: tuple[Feedback, ...]
     outcomes: tuple[Outcome, ...]
+    budgets: tuple[BudgetEnforcement, ...] = ()
+    """What token budgets enforced (``budget`` events), in order."""
 
     @classmethod
     def from_events(cls, project: str, session_id: str, events: Iterable[Event]) -> Session:
@@ -244,6 +247,7 @@ class Session:
             contexts=of(ContextUpdate),
             feedback=of(Feedback),
             outcomes=of(Outcome),
+            budgets=of(BudgetEnforcement),
         )
 
     @property

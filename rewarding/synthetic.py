@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flywheel.core.contracts.events import (
+    BudgetEnforcement,
     Completion,
     ContextUpdate,
     Event,
@@ -134,6 +135,34 @@ class SessionBuilder:
     def prune(self, chunk_ids: list[str], at: datetime | None = None) -> ContextUpdate:
         """Chunks were pruned from the context."""
         return self._add(ContextUpdate(**self._common(at), kind="prune", pruned_chunk_ids=chunk_ids))
+
+    def budget(
+        self,
+        kind: str,
+        tokens: int,
+        state: str,
+        *,
+        budget_tokens: int = 100,
+        warn_at: float = 0.8,
+        action: str = "prune",
+        span: str = "root",
+        at: datetime | None = None,
+        **fields: Any,
+    ) -> BudgetEnforcement:
+        """What a token budget enforced (``kind``: near, over, refused or reduced; other fields as in the contract)."""
+        return self._add(
+            BudgetEnforcement(
+                **self._common(at),
+                span=SpanRef(span_id=span),
+                kind=kind,
+                tokens=tokens,
+                state=state,
+                budget_tokens=budget_tokens,
+                warn_at=warn_at,
+                action=action,
+                **fields,
+            )
+        )
 
     def outcome(
         self, name: str, value: float | bool, documents: list[str] | None = None, at: datetime | None = None

@@ -23,6 +23,7 @@ Logging calls only enqueue; a background thread validates, redacts, serializes a
 
 from __future__ import annotations
 
+from flywheel.sdk.budget import Budget, BudgetExceeded, approx_tokens
 from flywheel.sdk.client import (
     AsyncSession,
     Flywheel,
@@ -39,12 +40,15 @@ from flywheel.sdk.sender import SdkStats
 
 __all__ = [
     "AsyncSession",
+    "Budget",
+    "BudgetExceeded",
     "Flywheel",
     "Redactor",
     "Scope",
     "SdkStats",
     "Session",
     "Span",
+    "approx_tokens",
     "current_scope",
     "current_session",
     "is_sampled",

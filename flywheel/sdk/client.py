@@ -35,6 +35,7 @@ from flywheel import __version__
 from flywheel.core import feedback_tokens
 from flywheel.core.contracts.events import FeedbackKind
 from flywheel.core.contracts.ids import uuid7
+from flywheel.sdk.budget import Action, Budget, Tokenizer
 from flywheel.sdk.redact import RedactFn, Redactor, chain
 from flywheel.sdk.sender import Counters, EventBuilder, Fields, RateLimitedLog, Record, SdkStats, Sender
 from flywheel.sdk.settings import SdkSettings
@@ -119,6 +120,7 @@ class Scope:
         self.role = role
         self._span = {"span_id": span_id, "role": role}
         self._tokens: list[Token[Scope | None]] = []
+        self._budgets: list[Budget] = []
         self.last_event_id: uuid.UUID | None = None
         """Id of the last event logged through this scope (e.g. for ``summary(replaced_through=...)``)."""
 
@@ -251,22 +253,59 @@ class Scope:
         ``completion_id``: the completion that wrote it (it inherits credit from what
         followed); ``replaced_through``: the last event id whose content it replaces.
         """
-        if not self.sampled:
-            return None
-        fields: dict[str, Any] = {"span": self._span, "kind": "summary", "summary": summary}
-        _add_optional(fields, summary_completion_id=completion_id, replaced_through=replaced_through,
-                      tokens_before=tokens_before, tokens_after=tokens_after)  # fmt: skip
-        return self._log(CONTEXT, fields)
+        budgets = self._budgets
+        if budgets and tokens_before is None:
+            tokens_before = budgets[-1].tokens
+        event_id = None
+        if self.sampled:
+            fields: dict[str, Any] = {"span": self._span, "kind": "summary", "summary": summary}
+            _add_optional(fields, summary_completion_id=completion_id, replaced_through=replaced_through,
+                          tokens_before=tokens_before, tokens_after=tokens_after)  # fmt: skip
+            event_id = self._log(CONTEXT, fields)
+        for budget in budgets:
+            budget._reduced("summary", tokens_after, event_id)
+        return event_id
 
     def prune(
         self, chunk_ids: Iterable[str], *, tokens_before: int | None = None, tokens_after: int | None = None
     ) -> uuid.UUID | None:
-        """Log chunks or documents the agent pruned from its context (Context-1-style ``prune_chunks``)."""
-        if not self.sampled:
-            return None
-        fields: dict[str, Any] = {"span": self._span, "kind": "prune", "pruned_chunk_ids": list(chunk_ids)}
-        _add_optional(fields, tokens_before=tokens_before, tokens_after=tokens_after)
-        return self._log(CONTEXT, fields)
+        """Log chunks or documents the agent pruned from its context (Context-1-style ``prune_chunks``).
+
+        Inside an active :meth:`budget` of this scope, ``tokens_after`` becomes the budget's count
+        and ``tokens_before`` defaults to it (the same holds for :meth:`summary`); this runs also
+        in an unsampled session, which logs nothing.
+        """
+        budgets = self._budgets
+        if budgets and tokens_before is None:
+            tokens_before = budgets[-1].tokens
+        event_id = None
+        if self.sampled:
+            fields: dict[str, Any] = {"span": self._span, "kind": "prune", "pruned_chunk_ids": list(chunk_ids)}
+            _add_optional(fields, tokens_before=tokens_before, tokens_after=tokens_after)
+            event_id = self._log(CONTEXT, fields)
+        for budget in budgets:
+            budget._reduced("prune", tokens_after, event_id)
+        return event_id
+
+    def budget(
+        self,
+        max_tokens: int,
+        *,
+        warn_at: float = 0.8,
+        action: Action = "prune",
+        tokenizer: Tokenizer | None = None,
+        allowed_tools: Iterable[str] | None = None,
+        tokens: int = 0,
+    ) -> Budget:
+        """A token budget on this scope's context, active inside ``with`` / ``async with`` (see
+        :mod:`flywheel.sdk.budget`): near ``warn_at`` × ``max_tokens`` it asks for ``action``
+        (``prune`` or ``summary``), over ``max_tokens`` it allows only ``allowed_tools`` (default:
+        the action's name), and it logs what it enforced as ``budget`` events. ``tokenizer`` counts
+        :meth:`Budget.add`'s text (a tokenizer's ``encode``, or ``approx_tokens``); ``tokens`` is
+        the count to start from. Raises ``ValueError`` naming a bad argument.
+        """
+        return Budget(self, max_tokens, warn_at=warn_at, action=action, tokenizer=tokenizer,
+                      allowed_tools=allowed_tools, tokens=tokens)  # fmt: skip
 
     def span(self, role: str = "subagent", assignment: str | None = None, *, span_id: str | None = None) -> Span:
         """Start a sub-agent span (a child of this scope) that was given ``assignment``; logs ``span_start``."""

@@ -12,6 +12,16 @@
   pruned from its context: process credit for having found them;
 - prunes: ContextUpdate events of kind ``prune`` (pruning over and over is penalised);
 - search turns: tool calls named in ``search_tools`` (deduplicated by call id).
+
+With a token budget whose action is ``prune`` (``budget`` events, the SDK's ``session.budget``),
+two more terms, present only when the session has such events (so sessions without a budget
+score as before):
+
+``+ budget_prune_credit * reductions - budget_refusal_penalty * refusals``
+
+- reductions: prunes recorded while near or over the budget that lowered its state (over to
+  near or ok, near to ok): the agent pruned when asked, and got back under;
+- refusals: tools the budget refused while over it (the agent did not prune when it had to).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from rewarding.extractors.base import Components, Extractor
+from rewarding.extractors.budgets import budget_events, budget_metrics, lowered
 from rewarding.session_state import Session
 
 
@@ -43,6 +54,10 @@ class RetrievalSettings(BaseModel):
     """Search turns that cost nothing."""
     search_turn_penalty: float = Field(0.02, ge=0.0, le=10.0)
     """Penalty per search turn beyond ``max_search_turns``."""
+    budget_prune_credit: float = Field(0.05, ge=0.0, le=10.0)
+    """Credit per prune that lowered a ``prune`` token budget's state (over to near or ok, near to ok)."""
+    budget_refusal_penalty: float = Field(0.1, ge=0.0, le=10.0)
+    """Penalty per tool a ``prune`` token budget refused while the context was over it."""
 
 
 def f_beta(returned: set[str], gold: set[str], beta: float) -> tuple[float, float, float]:
@@ -107,4 +122,11 @@ class RetrievalExtractor(Extractor):
             "prunes": float(prunes),
             "search_turns": float(searches),
         }
+        budget = budget_events(session, "prune")
+        if budget:
+            reductions = sum(lowered(e) and e.reduced_by == "prune" for e in budget)
+            refusals = sum(e.kind == "refused" for e in budget)
+            terms["budget_prune_credit"] = s.budget_prune_credit * reductions
+            terms["budget_refusal_penalty"] = -s.budget_refusal_penalty * refusals
+            metrics.update(budget_metrics(budget))
         return Components(value=sum(terms.values()), terms=terms, metrics=metrics)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from flywheel.cli.contracts import SCHEMA_PATH, render_schema
 from flywheel.core.contracts import (
+    BudgetEnforcement,
     Completion,
     ContextUpdate,
     ContractError,
@@ -34,6 +35,18 @@ from flywheel.core.contracts import (
 from flywheel.core.contracts.ids import uuid7_time_ms
 
 ENV = {"project": "demo", "session_id": "sess-1"}
+BUDGET = {
+    "schema_version": 1,
+    **ENV,
+    "type": "budget",
+    "kind": "over",
+    "budget_tokens": 100,
+    "warn_at": 0.8,
+    "action": "prune",
+    "tokens": 120,
+    "state": "over",
+}
+"""A valid ``budget`` event's record, for rejection cases."""
 
 
 def examples():
@@ -59,6 +72,33 @@ def examples():
     )
     yield ContextUpdate(**ENV, kind="summary", summary="so far: x", tokens_before=900, tokens_after=120)
     yield ContextUpdate(**ENV, kind="prune", pruned_chunk_ids=["d1", "d2"])
+    yield BudgetEnforcement(
+        **ENV, kind="near", budget_tokens=1000, warn_at=0.8, action="prune", tokens=850, state="near"
+    )
+    yield BudgetEnforcement(
+        **ENV,
+        kind="refused",
+        budget_tokens=1000,
+        warn_at=0.8,
+        action="summary",
+        tokens=1200,
+        state="over",
+        refused_tool="search",
+        tool_call_id="c9",
+    )
+    yield BudgetEnforcement(
+        **ENV,
+        kind="reduced",
+        budget_tokens=1000,
+        warn_at=0.8,
+        action="prune",
+        tokens=300,
+        state="ok",
+        reduced_by="prune",
+        context_event_id=uuid7(),
+        tokens_before=1200,
+        state_before="over",
+    )
     yield Feedback(**ENV, kind=FeedbackKind.ACCEPT)
     yield Feedback(**ENV, kind=FeedbackKind.EDIT, edit_ratio=0.25, completion_id=uuid7())
     yield Feedback(**ENV, kind=FeedbackKind.FOLLOW_UP, dissatisfied=True, text="that's wrong")
@@ -137,6 +177,11 @@ def _base(**fields):
         ({"schema_version": 1, **ENV, "type": ["turn"]}, "type", "unknown event type"),  # unhashable: was a 500
         ({"schema_version": 1, **ENV, "type": {"a": 1}}, "type", "unknown event type"),
         ({"schema_version": 1, **ENV, "type": "session_start", "metadata": {"a": {"deep": 1}}}, "metadata.a", ""),
+        ({**BUDGET, "kind": "refused"}, "refused_tool", "required when kind is 'refused'"),
+        ({**BUDGET, "kind": "near"}, "state", "must be 'near' for kind 'near' (got 'over')"),
+        ({**BUDGET, "kind": "reduced"}, "reduced_by", "required when kind is 'reduced'"),
+        ({**BUDGET, "warn_at": 0}, "warn_at", "greater than 0"),
+        ({**BUDGET, "action": "truncate"}, "action", "'prune' or 'summary'"),
     ],
 )
 def test_rejection_names_the_field(record, field, needle):

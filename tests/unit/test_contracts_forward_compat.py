@@ -17,6 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from flywheel.core.contracts import (
+    BudgetEnforcement,
     Completion,
     ContextUpdate,
     ContractError,
@@ -83,6 +84,7 @@ def one_of_each() -> list[Any]:
         ContextUpdate(**ENV, kind="summary", summary="so far", tokens_before=10, tokens_after=2),
         Feedback(**ENV, kind=FeedbackKind.SCORE, score=0.5),
         Outcome(**ENV, name="task_solved", value=True, details={"k": 1}),
+        BudgetEnforcement(**ENV, kind="near", budget_tokens=100, warn_at=0.8, action="prune", tokens=85, state="near"),
     ]
 
 

@@ -21,10 +21,12 @@ from rewarding.synthetic import SessionBuilder
 
 BUILT_IN = {"outcome", "user_signal", "grm", "shaping", "parl", "retrieval", "summary", "scores"}
 
-DEFAULT_HASH = "bf73d66d31bca03c39e62bd95c5d4acd84b53ee7be5226de4ac843761c964604"
+DEFAULT_HASH = "62588c762edb3a569e0025c22fe35bb38be3804c6368fd1841e6b5de503569ee"
 """``config_hash`` of the default settings (the extractors the default weights run). It was
 ``70a37cef...01ad7``, as reward rows recorded it when every extractor's settings were a field of the
-core's scoring settings, until the built-in ``scores`` extractor (weight 1, no rules) was added."""
+core's scoring settings, until the built-in ``scores`` extractor (weight 1, no rules) was added; then
+``bf73d66d...04604``, until the retrieval and summary extractors took their token-budget settings
+(``budget_prune_credit``, ``budget_refusal_penalty``; ``asked_credit``, ``refusal_penalty``)."""
 
 
 def no_judge() -> str:

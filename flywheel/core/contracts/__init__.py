@@ -3,6 +3,9 @@
 from flywheel.core.contracts.events import (
     SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
+    BudgetAction,
+    BudgetEnforcement,
+    BudgetState,
     Completion,
     ContextUpdate,
     ContractError,
@@ -35,6 +38,9 @@ from flywheel.core.contracts.ids import uuid7
 __all__ = [
     "SCHEMA_VERSION",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "BudgetAction",
+    "BudgetEnforcement",
+    "BudgetState",
     "Completion",
     "ContextUpdate",
     "ContractError",

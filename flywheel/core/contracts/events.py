@@ -23,6 +23,9 @@ Schema history:
       (``name``, ``value`` as a number, boolean or category, ``data_type``, ``comment``)
       instead of carrying ``score``; a reader built before refuses such a record (its
       ``score`` is missing), so it cannot misread it as an unnamed score.
+      Additive change within 1: event type ``budget`` (a token budget's enforcement, logged by
+      the SDK's budget context manager); a reader built before refuses it as an unknown type
+      (it cannot misread it), and every record valid before is still valid.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class EventType(StrEnum):
     CONTEXT = "context"
     FEEDBACK = "feedback"
     OUTCOME = "outcome"
+    BUDGET = "budget"
 
 
 class _Model(BaseModel):
@@ -594,8 +598,81 @@ class Outcome(EventBase):
     """Flat details."""
 
 
+BudgetState = Literal["ok", "near", "over"]
+"""Where a token budget stands: ``ok`` below its warn line, ``near`` at or past it (the harness
+asks the agent to prune or summarise), ``over`` past the budget (only that action is allowed)."""
+BudgetAction = Literal["prune", "summary"]
+"""What a token budget asks for near it and allows alone over it."""
+ToolName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class BudgetEnforcement(EventBase):
+    """What a token budget on an agent's context enforced (the SDK's ``session.budget(...)``).
+
+    ``kind`` says what happened: ``near``, the count reached the warn line (``warn_at`` ×
+    ``budget_tokens``) and the agent is asked to ``action``; ``over``, it passed
+    ``budget_tokens`` and only ``action`` is allowed; ``refused``, a tool other than the allowed
+    ones was refused while over (``refused_tool``, and ``tool_call_id`` when the harness named
+    the call); ``reduced``, a prune or summary was recorded while near or over (``reduced_by``,
+    ``context_event_id`` the ``context`` event, ``tokens_before`` and ``state_before``).
+    ``tokens`` and ``state`` are the count and the state after the event.
+    """
+
+    type: Literal[EventType.BUDGET] = EventType.BUDGET
+    span: SpanRef = Field(default_factory=SpanRef)
+    """Which agent's context the budget counts."""
+    kind: Literal["near", "over", "refused", "reduced"]
+    """What the budget enforced (see the class docstring)."""
+    budget_tokens: int = Field(ge=1, le=2**31 - 1)
+    """The budget: most tokens the context may hold."""
+    warn_at: float = Field(gt=0.0, le=1.0)
+    """Share of ``budget_tokens`` at which the budget is ``near``."""
+    action: BudgetAction
+    """What the harness asks for near the budget and allows alone over it."""
+    tokens: int = Field(ge=0, le=2**31 - 1)
+    """The context's size after the event, in tokens (the product's tokenizer or count)."""
+    state: BudgetState
+    """The budget's state after the event."""
+    refused_tool: ToolName | None = None
+    """The tool refused, for ``refused``."""
+    tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    """The refused tool call's id, for ``refused``, when the harness gave it."""
+    reduced_by: BudgetAction | None = None
+    """Whether a prune or a summary reduced the context, for ``reduced``."""
+    context_event_id: uuid.UUID | None = None
+    """The ``context`` event that reduced it, for ``reduced``."""
+    tokens_before: int | None = Field(None, ge=0, le=2**31 - 1)
+    """The count before the prune or summary, for ``reduced``."""
+    state_before: BudgetState | None = None
+    """The state before the prune or summary (``near`` or ``over``), for ``reduced``."""
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> BudgetEnforcement:
+        expected = {"near": ("near",), "over": ("over",), "refused": ("over",)}.get(self.kind)
+        if expected is not None and self.state not in expected:
+            raise ValueError(f"state: must be '{expected[0]}' for kind '{self.kind}' (got '{self.state}')")
+        if self.kind == "refused" and self.refused_tool is None:
+            raise ValueError("refused_tool: required when kind is 'refused'")
+        if self.kind == "reduced":
+            for name in ("reduced_by", "context_event_id", "tokens_before", "state_before"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name}: required when kind is 'reduced'")
+            if self.state_before == "ok":
+                raise ValueError("state_before: a reduction is logged only while 'near' or 'over' (got 'ok')")
+        return self
+
+
 Event = Annotated[
-    SessionStart | SessionEnd | SpanStart | SpanEnd | Turn | Completion | ContextUpdate | Feedback | Outcome,
+    SessionStart
+    | SessionEnd
+    | SpanStart
+    | SpanEnd
+    | Turn
+    | Completion
+    | ContextUpdate
+    | Feedback
+    | Outcome
+    | BudgetEnforcement,
     Field(discriminator="type"),
 ]
 """Any event."""
@@ -603,7 +680,18 @@ Event = Annotated[
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[EventBase]] = {
     cls.model_fields["type"].default.value: cls
-    for cls in (SessionStart, SessionEnd, SpanStart, SpanEnd, Turn, Completion, ContextUpdate, Feedback, Outcome)
+    for cls in (
+        SessionStart,
+        SessionEnd,
+        SpanStart,
+        SpanEnd,
+        Turn,
+        Completion,
+        ContextUpdate,
+        Feedback,
+        Outcome,
+        BudgetEnforcement,
+    )
 }
 
 
