@@ -343,6 +343,95 @@ def fault_figures(request: pytest.FixtureRequest) -> Callable[..., None]:
     return record
 
 
+# --------------------------------------------------------------------------- ingest gateway
+
+
+@dataclass
+class RunningGateway:
+    """An ingest gateway started by :func:`running_gateway`, with a write key of its project."""
+
+    url: str
+    settings: Settings
+    db_url: str
+    conninfo: str
+    """``db_url`` as a libpq connection string (what the ingest consumer and psycopg take)."""
+    project: str
+    key: str
+    key_id: int
+    consuming: threading.Thread | None
+    """The ingest consumer's thread (``consume=True``), else None."""
+
+
+@contextmanager
+def running_gateway(
+    kafka_bootstrap: str,
+    db_url: str,
+    *,
+    name: str,
+    project: str,
+    key_name: str,
+    ingest: dict | None = None,
+    consume: bool = False,
+    key_cache_ttl_s: float = 1.0,
+) -> Iterator[RunningGateway]:
+    """The ingest gateway (uvicorn in a thread, a real Kafka producer, keys in ``db_url``'s
+    Postgres) on a free port, its topics made under the prefix ``name`` + a fresh tag, a write
+    key ``key_name`` of the project ``project`` + that tag, and with ``consume`` an ingest
+    consumer (group ``name`` + tag) writing ``raw_events``. ``ingest`` overrides the ingest
+    settings (2 partitions, and with ``consume`` a 6 s poll interval). All stopped afterwards;
+    the caller asserts on ``consuming`` if the consumer's stop matters to it."""
+    import uvicorn
+    from kafka import KafkaProducer
+
+    from flywheel.core.auth import create_key
+    from flywheel.core.db.engine import session_factory
+    from flywheel.stack.endpoints import libpq_conninfo
+    from ingest.consumer import IngestConsumer
+    from ingest.gateway import create_app
+    from ingest.topics import ensure_topics
+
+    tag = uuid.uuid4().hex[:8]
+    group = {"max_poll_interval_ms": 6000, "group_id": f"{name}{tag}"} if consume else {}
+    settings = Settings(
+        environment="test",
+        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": f"{name}{tag}"},
+        postgres={"url": db_url},
+        ingest={"partitions": 2, **group, **(ingest or {})},
+    )
+    ensure_topics(settings, kafka_bootstrap)
+    with session_factory(db_url)() as session:
+        info, token = create_key(session, name=key_name, role="writer", project=f"{project}{tag}")
+        session.commit()
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=2)
+    app = create_app(settings, producer=producer, db_url=db_url, key_cache_ttl_s=key_cache_ttl_s)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
+    thread.start()
+    stop = threading.Event()
+    consuming = None
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started, "the gateway did not start"
+        conninfo = libpq_conninfo(db_url)
+        if consume:
+            consumer = IngestConsumer(settings, bootstrap=kafka_bootstrap, conninfo=conninfo, stop_event=stop)
+            consuming = threading.Thread(target=consumer.run, name=f"{name}-consumer")
+            consuming.start()
+        yield RunningGateway(
+            f"http://127.0.0.1:{port}", settings, db_url, conninfo, f"{project}{tag}", token, info.id, consuming
+        )
+    finally:
+        stop.set()
+        if consuming is not None:
+            consuming.join(timeout=60)
+        server.should_exit = True
+        thread.join(timeout=30)
+        producer.close()
+
+
 # --------------------------------------------------------------------------- browser
 
 CHROMIUM = Path(os.environ.get("FLYWHEEL_CHROMIUM", "/usr/bin/chromium"))

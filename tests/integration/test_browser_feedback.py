@@ -23,9 +23,8 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
-import uvicorn
-from conftest import free_port
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from conftest import free_port, running_gateway
+from kafka import KafkaConsumer, TopicPartition
 
 from flywheel.core.auth import create_key, revoke_key
 from flywheel.core.contracts import parse_event
@@ -33,10 +32,6 @@ from flywheel.core.contracts.topics import events_topic
 from flywheel.core.db.engine import session_factory
 from flywheel.core.settings import Settings
 from flywheel.sdk import Flywheel
-from flywheel.stack.endpoints import libpq_conninfo
-from ingest.consumer import IngestConsumer
-from ingest.gateway import create_app
-from ingest.topics import ensure_topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -80,17 +75,6 @@ class Page:
     server: http.server.ThreadingHTTPServer
 
 
-def _serve_gateway(app, port: int) -> tuple[uvicorn.Server, threading.Thread]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the gateway did not start"
-    return server, thread
-
-
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Page]]:
     """Two static sites on their own ports (two origins) serving a page that loads the docs' snippet."""
@@ -117,44 +101,16 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Page]]
 @pytest.fixture(scope="module")
 def stack(kafka_bootstrap: str, db_url: str, pages: dict[str, Page]) -> Iterator[Stack]:
     """The gateway (allowing the "allowed" page's origin only) and a consumer into ``raw_events``."""
-    tag = uuid.uuid4().hex[:8]
-    settings = Settings(
-        environment="test",
-        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": f"bf{tag}"},
-        postgres={"url": db_url},
-        ingest={
-            "partitions": 2,
-            "max_poll_interval_ms": 6000,
-            "group_id": f"bf{tag}",
-            "feedback_cors_origins": [pages["allowed"].origin],
-        },
-    )
-    ensure_topics(settings, kafka_bootstrap)
-    project = f"web{tag}"
-    with session_factory(db_url)() as session:
-        info, write_key = create_key(session, name="browser-feedback", role="writer", project=project)
-        session.commit()
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=2)
-    app = create_app(settings, producer=producer, db_url=db_url, key_cache_ttl_s=KEY_CACHE_TTL_S)
-    port = free_port()
-    server, thread = _serve_gateway(app, port)
-    conninfo = libpq_conninfo(db_url)
-    stop = threading.Event()
-    consumer = IngestConsumer(settings, bootstrap=kafka_bootstrap, conninfo=conninfo, stop_event=stop)
-    consuming = threading.Thread(target=consumer.run, name="browser-feedback-consumer")
-    consuming.start()
-    # the backend's SDK: only its feedback_token() is used here (minting is local)
-    fw = Flywheel(project=project, write_key=write_key, transport="http", gateway_url=f"http://127.0.0.1:{port}")
-    try:
-        yield Stack(f"http://127.0.0.1:{port}", settings, db_url, conninfo, project, info.id, fw)
-    finally:
-        fw.close(timeout_s=5)
-        stop.set()
-        consuming.join(timeout=60)
-        server.should_exit = True
-        thread.join(timeout=30)
-        producer.close()
-        assert not consuming.is_alive(), "the consumer did not stop"
+    ingest = {"feedback_cors_origins": [pages["allowed"].origin]}
+    with running_gateway(kafka_bootstrap, db_url, name="bf", project="web", key_name="browser-feedback",
+                         ingest=ingest, consume=True, key_cache_ttl_s=KEY_CACHE_TTL_S) as run:  # fmt: skip
+        # the backend's SDK: only its feedback_token() is used here (minting is local)
+        fw = Flywheel(project=run.project, write_key=run.key, transport="http", gateway_url=run.url)
+        try:
+            yield Stack(run.url, run.settings, db_url, run.conninfo, run.project, run.key_id, fw)
+        finally:
+            fw.close(timeout_s=5)
+    assert run.consuming is not None and not run.consuming.is_alive(), "the consumer did not stop"
 
 
 @pytest.fixture(scope="module")

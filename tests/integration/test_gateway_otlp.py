@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,8 +14,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-import uvicorn
-from kafka import KafkaProducer
+from conftest import running_gateway
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -28,14 +25,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 
-from flywheel.core.auth import create_key
-from flywheel.core.db.engine import session_factory
 from flywheel.core.db.migrate import upgrade
 from flywheel.core.settings import Settings
-from flywheel.stack.endpoints import libpq_conninfo
-from ingest.consumer import IngestConsumer
-from ingest.gateway import create_app
-from ingest.topics import ensure_topics
 
 pytestmark = pytest.mark.integration
 
@@ -62,58 +53,15 @@ class Gateway:
             return [row[0] for row in cur.fetchall()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gateway(kafka_bootstrap: str, pg_url: str) -> Iterator[Gateway]:
     """The gateway (uvicorn, real producer, keys in Postgres) and an ingest consumer writing raw_events."""
     upgrade(pg_url)
-    tag = uuid.uuid4().hex[:8]
-    settings = Settings(
-        environment="test",
-        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": f"otlp{tag}"},
-        postgres={"url": pg_url},
-        ingest={
-            "partitions": 2,
-            "max_body_bytes": 200_000,
-            "max_event_bytes": 50_000,
-            "max_poll_interval_ms": 6000,
-            "group_id": f"otlp{tag}",
-            "otlp": {"session_attribute": "app.thread_id"},
-        },
-    )
-    ensure_topics(settings, kafka_bootstrap)
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=2)
-    app = create_app(settings, producer=producer, db_url=pg_url, key_cache_ttl_s=1.0)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    project = f"otlp{tag}"
-    with session_factory(pg_url)() as session:
-        _, token = create_key(session, name="otlp-test", role="writer", project=project)
-        session.commit()
-    db = libpq_conninfo(pg_url)
-    stop = threading.Event()
-    consumer = IngestConsumer(settings, bootstrap=kafka_bootstrap, conninfo=db, stop_event=stop)
-    consuming = threading.Thread(target=consumer.run, name="otlp-test-consumer")
-    consuming.start()
-    try:
-        yield Gateway(f"http://127.0.0.1:{port}", settings, db, project, token)
-    finally:
-        stop.set()
-        consuming.join(timeout=60)
-        server.should_exit = True
-        thread.join(timeout=30)
-        producer.close()
+    ingest = {"max_body_bytes": 200_000, "max_event_bytes": 50_000, "otlp": {"session_attribute": "app.thread_id"}}
+    with running_gateway(
+        kafka_bootstrap, pg_url, name="otlp", project="otlp", key_name="otlp-test", ingest=ingest, consume=True
+    ) as run:
+        yield Gateway(run.url, run.settings, run.conninfo, run.project, run.key)
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:

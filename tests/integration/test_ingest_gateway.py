@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,12 +10,11 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
-from conftest import JSON_VALUES, schemathesis_sweep
+from conftest import JSON_VALUES, running_gateway, schemathesis_sweep
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from typer.testing import CliRunner
 
 from flywheel.core.auth import create_key, revoke_key
@@ -38,7 +35,6 @@ from flywheel.core.db.migrate import upgrade
 from flywheel.core.settings import Settings
 from ingest.cli import app as cli_app
 from ingest.gateway import create_app
-from ingest.topics import ensure_topics
 
 pytestmark = pytest.mark.integration
 
@@ -63,12 +59,6 @@ class Gateway:
         return httpx.post(f"{self.url}/v1/events", headers=headers, timeout=30, **kw)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _key(pg_url: str, project: str, role: str = "writer") -> tuple[int, str]:
     with session_factory(pg_url)() as session:
         info, token = create_key(session, name=f"test-{role}", role=role, project=project if role == "writer" else None)
@@ -79,32 +69,11 @@ def _key(pg_url: str, project: str, role: str = "writer") -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def gateway(kafka_bootstrap: str, pg_url: str) -> Iterator[Gateway]:
     upgrade(pg_url)
-    tag = uuid.uuid4().hex[:8]
-    settings = Settings(
-        environment="test",
-        kafka={"bootstrap_servers": kafka_bootstrap, "topic_prefix": f"gw{tag}"},
-        postgres={"url": pg_url},
-        ingest={"partitions": 2, "max_body_bytes": 20_000, "max_event_bytes": 4_000, "max_batch_events": 10},
-    )
-    ensure_topics(settings, kafka_bootstrap)
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=2)
-    app = create_app(settings, producer=producer, db_url=pg_url, key_cache_ttl_s=1.0)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    project = f"proj{tag}"
-    _, token = _key(pg_url, project)
-    try:
-        yield Gateway(f"http://127.0.0.1:{port}", settings, pg_url, project, token)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        producer.close()
+    ingest = {"max_body_bytes": 20_000, "max_event_bytes": 4_000, "max_batch_events": 10}
+    with running_gateway(
+        kafka_bootstrap, pg_url, name="gw", project="proj", key_name="test-writer", ingest=ingest
+    ) as run:
+        yield Gateway(run.url, run.settings, pg_url, run.project, run.key)
 
 
 def turn(project: str, session_id: str = "s1", content: str = "hi") -> dict:
