@@ -400,14 +400,12 @@ class CpuLayout:
 # -- phases ----------------------------------------------------------------------------------
 
 
-def router_metric(router_url: str, name: str, label: str = "") -> float:
-    """The sum of one of the router's counters or gauges (``name``, series containing ``label``), from
-    its metrics port (the public port's plus one: both routers here are laid out so)."""
+def router_metric(metrics_url: str, name: str, label: str = "") -> float:
+    """The sum of one of a router's counters or gauges (``name``, series containing ``label``), from
+    its metrics port (``metrics_url``: ``http://host:port`` of ``serving.router_metrics_port``)."""
     import httpx
 
-    host, port = router_url.split("//", 1)[1].rsplit(":", 1)
-    metrics_port = METRICS_PORT if int(port) == 19620 else CAPTURE_METRICS_PORT
-    text = httpx.get(f"http://{host}:{metrics_port}/metrics", timeout=10).text
+    text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -416,34 +414,37 @@ def router_metric(router_url: str, name: str, label: str = "") -> float:
     return sum(values) if values else float("nan")
 
 
-def router_cpu_s(router_url: str) -> float:
+def router_cpu_s(metrics_url: str) -> float:
     """The router process's CPU seconds so far (its ``process_cpu_seconds_total``, from its metrics port)."""
-    return router_metric(router_url, "process_cpu_seconds_total")
+    return router_metric(metrics_url, "process_cpu_seconds_total")
 
 
-def alternate(direct_url: str, router_url: str, model: str, concurrency: int, max_tokens: int, seconds: float,
-              rounds: int) -> tuple[LoadResult, LoadResult, float]:  # fmt: skip
-    """Alternating rounds of the same load, direct and through the router; also the router's CPU seconds."""
+def alternate(direct_url: str, router_url: str, metrics_url: str, model: str, concurrency: int, max_tokens: int,
+              seconds: float, rounds: int) -> tuple[LoadResult, LoadResult, float]:  # fmt: skip
+    """Alternating rounds of the same load, direct and through the router; also the router's CPU seconds
+    (from its metrics port, ``metrics_url``)."""
     direct, routed = LoadResult(), LoadResult()
     cpu = 0.0
     for i in range(rounds):
         order = [(direct_url, direct), (router_url, routed)]
         for url, total in order if i % 2 == 0 else order[::-1]:
-            before = router_cpu_s(router_url) if url == router_url else 0.0
+            before = router_cpu_s(metrics_url) if url == router_url else 0.0
             total.merge(run_load(url, model, concurrency, max_tokens, seconds))
             if url == router_url:
-                cpu += router_cpu_s(router_url) - before
+                cpu += router_cpu_s(metrics_url) - before
         print(f"c={concurrency} round {i + 1}/{rounds}: direct {direct.ok} ok, router {routed.ok} ok", flush=True)
     return direct, routed, cpu
 
 
-def router_vs_direct(direct_url: str, router_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The same load direct and through the router: at ``--concurrency`` (the figures) and at 1
-    (added latency alone)."""
+def router_vs_direct(
+    direct_url: str, router_url: str, metrics_url: str, model: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The same load direct and through the router (its metrics at ``metrics_url``): at ``--concurrency``
+    (the figures) and at 1 (added latency alone)."""
     run_load(direct_url, model, args.concurrency, args.max_tokens, 3.0)  # warm both paths
     run_load(router_url, model, args.concurrency, args.max_tokens, 3.0)
     direct, routed, cpu = alternate(
-        direct_url, router_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds
+        direct_url, router_url, metrics_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds
     )
     out: dict[str, Any] = {**_summary("direct", direct), **_summary("router", routed)}
     out["router_vs_direct_throughput"] = out["router_req_per_s"] / out["direct_req_per_s"]
@@ -453,7 +454,9 @@ def router_vs_direct(direct_url: str, router_url: str, model: str, args: argpars
     if direct.failures or routed.failures:
         out["phase1_failure_examples"] = (direct.failures + routed.failures)[:5]
     if args.c1_seconds > 0:
-        d1, r1, _ = alternate(direct_url, router_url, model, 1, args.max_tokens, args.c1_seconds, args.c1_rounds)
+        d1, r1, _ = alternate(
+            direct_url, router_url, metrics_url, model, 1, args.max_tokens, args.c1_seconds, args.c1_rounds
+        )
         out["c1_direct_p50_ms"] = percentile(d1.latencies_ms, 0.5)
         out["c1_router_p50_ms"] = percentile(r1.latencies_ms, 0.5)
         out["c1_router_added_p50_ms"] = out["c1_router_p50_ms"] - out["c1_direct_p50_ms"]
@@ -480,11 +483,14 @@ def token_data_cost(direct_url: str, model: str, args: argparse.Namespace) -> di
     }
 
 
-def capture_vs_direct(direct_url: str, capture_url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The same load direct and through a router that captures every completion into Kafka."""
+def capture_vs_direct(
+    direct_url: str, capture_url: str, metrics_url: str, model: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The same load direct and through a router that captures every completion into Kafka (its metrics
+    at ``metrics_url``)."""
     run_load(capture_url, model, args.concurrency, args.max_tokens, 3.0)  # warm
     direct, captured, cpu = alternate(
-        direct_url, capture_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds
+        direct_url, capture_url, metrics_url, model, args.concurrency, args.max_tokens, args.seconds, args.rounds
     )
     out: dict[str, Any] = {
         "capture_req_per_s": captured.ok / captured.seconds if captured.seconds else 0.0,
@@ -497,14 +503,14 @@ def capture_vs_direct(direct_url: str, capture_url: str, model: str, args: argpa
     out["capture_vs_direct_throughput"] = out["capture_req_per_s"] / max(out["capture_direct_req_per_s"], 1e-9)
     out["capture_added_p50_ms"] = out["capture_p50_ms"] - out["capture_direct_p50_ms"]
     # Every completion answered 200 (warm-up included) must be acknowledged by Kafka: wait for the tail.
-    answered = router_metric(capture_url, "flywheel_router_requests_total", 'status="200"')
+    answered = router_metric(metrics_url, "flywheel_router_requests_total", 'status="200"')
     deadline = time.monotonic() + 30.0
     while time.monotonic() < deadline:
-        acked = router_metric(capture_url, "flywheel_router_captured_total")
+        acked = router_metric(metrics_url, "flywheel_router_captured_total")
         if acked >= answered:
             break
         time.sleep(0.5)
-    dropped = router_metric(capture_url, "flywheel_router_capture_dropped_total")
+    dropped = router_metric(metrics_url, "flywheel_router_capture_dropped_total")
     out["captured_ratio"] = acked / answered if answered else 0.0
     out["capture_dropped"] = 0.0 if dropped != dropped else dropped  # nan: no drop series yet
     return out
@@ -606,6 +612,7 @@ def main() -> None:
         AUTH["Authorization"] = f"Bearer {_product_key(engine)}"
         router = _start_router(settings, db_url, run_dir / "router.log")
         router_url = f"http://127.0.0.1:{settings.serving.router_port}"
+        metrics_url = f"http://127.0.0.1:{settings.serving.router_metrics_port}"
         _wait_routable(router_url, engine, {urls[0]})
         print(f"replicas {urls}, router {router_url}, database {db_url.rsplit('/', 1)[-1]}", flush=True)
 
@@ -613,9 +620,9 @@ def main() -> None:
         result["cpu_layout"] = layout.describe() if layout else "shared"
         if layout is not None:
             with layout:
-                result.update(router_vs_direct(urls[0], router_url, base, args))
+                result.update(router_vs_direct(urls[0], router_url, metrics_url, base, args))
         else:
-            result.update(router_vs_direct(urls[0], router_url, base, args))
+            result.update(router_vs_direct(urls[0], router_url, metrics_url, base, args))
         print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
 
         # 2. The same against a second router that captures every completion into Kafka.
@@ -636,15 +643,16 @@ def main() -> None:
         capture_router = _start_router(settings, db_url, run_dir / "capture-router.log", capture_env)
         try:
             capture_url = f"http://127.0.0.1:{CAPTURE_PORT}"
+            capture_metrics_url = f"http://127.0.0.1:{CAPTURE_METRICS_PORT}"
             _wait_routable(capture_url, engine, {urls[0]})
             others = (broker.pid,) if broker.pid else ()
             layout = CpuLayout(records[0].pid, capture_router.pid, others) if args.layout == "fixed" else None
             if layout is not None:
                 with layout:
-                    result.update(capture_vs_direct(urls[0], capture_url, base, args))
+                    result.update(capture_vs_direct(urls[0], capture_url, capture_metrics_url, base, args))
                     result.update(token_data_cost(urls[0], base, args))
             else:
-                result.update(capture_vs_direct(urls[0], capture_url, base, args))
+                result.update(capture_vs_direct(urls[0], capture_url, capture_metrics_url, base, args))
                 result.update(token_data_cost(urls[0], base, args))
         finally:
             capture_router.terminate()
