@@ -25,6 +25,7 @@ attempt is recorded in the sidecar.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -34,6 +35,8 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -198,20 +201,39 @@ def build_model(settings: ModelSettings | None = None, force: bool = False) -> P
     if is_complete(target) and not force:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cache_dir))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published folder is shared
-    try:
+    with _build_lock(cache_dir, key):
+        if is_complete(target) and not force:
+            return target  # another process built it while this one waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cache_dir))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published folder is shared
         try:
-            _build_into(tmp, settings, key)
-        except BuildError:
-            raise
-        except Exception as exc:  # turn any failure into one clear error, then re-raise
-            raise BuildError(f"building model {key} failed: {type(exc).__name__}: {exc}") from exc
-        fsync_tree(tmp)
-        return _publish(tmp, target, force)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                _build_into(tmp, settings, key)
+            except BuildError:
+                raise
+            except Exception as exc:  # turn any failure into one clear error, then re-raise
+                raise BuildError(f"building model {key} failed: {type(exc).__name__}: {exc}") from exc
+            fsync_tree(tmp)
+            return _publish(tmp, target, force)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _build_lock(cache_dir: Path, key: str) -> Iterator[None]:
+    """Hold ``cache_dir/.build-<key>.lock``: a second process building the same key waits for the first
+    (then finds its build) instead of spending a core on the same work. Released when the process dies."""
+    with open(cache_dir / f".build-{key}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building model %s; waiting for it", key)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _publish(tmp: Path, target: Path, force: bool) -> Path:
