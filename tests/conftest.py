@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -430,6 +431,64 @@ def running_gateway(
         server.should_exit = True
         thread.join(timeout=30)
         producer.close()
+
+
+# --------------------------------------------------------------------------- SDK clients
+
+
+@pytest.fixture
+def memory_flywheel(tmp_path: Path) -> Iterator[Callable[[str], Any]]:
+    """Make SDK clients (:class:`flywheel.sdk.Flywheel`) of a project on an in-memory transport,
+    spooling under ``tmp_path``: ``memory_flywheel("project")``; each is closed after the test."""
+    from flywheel.sdk import Flywheel
+    from flywheel.sdk.transports.memory import MemoryTransport
+
+    made: list[Flywheel] = []
+
+    def make(project: str) -> Flywheel:
+        made.append(Flywheel(project=project, transport=MemoryTransport(), spool_dir=tmp_path / "spool"))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close(2)
+
+
+@pytest.fixture
+def litellm_flywheel(memory_flywheel: Callable[[str], Any]) -> Iterator[Callable[[str], Any]]:
+    """Make a :func:`memory_flywheel` client whose LiteLLM callback is LiteLLM's only callback
+    (telemetry off) until the test ends; LiteLLM's callbacks are put back before the client closes.
+    A module using it imports LiteLLM first, with ``pytest.importorskip``."""
+    import litellm
+
+    litellm.telemetry = False
+    saved = litellm.callbacks
+    callbacks: list[Any] = []
+
+    def make(project: str) -> Any:
+        client = memory_flywheel(project)
+        callbacks.append(client.litellm_callback())
+        litellm.callbacks = [callbacks[-1]]
+        return client
+
+    yield make
+    for callback in callbacks:
+        litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
+    litellm.callbacks = saved
+
+
+def logged_completions(fw: Any, count: int, timeout: float = 10.0) -> list[Any]:
+    """The completion events ``fw``'s in-memory transport got, once there are ``count`` or after
+    ``timeout`` seconds (LiteLLM runs sync success hooks on a thread of its own)."""
+    from flywheel.core.contracts import Completion
+
+    deadline = time.monotonic() + timeout
+    while True:
+        fw.flush()
+        found = [e for e in fw.transport.events() if isinstance(e, Completion)]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- browser

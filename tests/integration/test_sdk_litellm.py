@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,10 +19,10 @@ import pytest
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the cost map (no network here)
 litellm = pytest.importorskip("litellm")
 
-from flywheel.core.contracts import Completion  # noqa: E402
+from conftest import logged_completions  # noqa: E402
+
 from flywheel.sdk import Flywheel  # noqa: E402
 from flywheel.sdk.litellm import _response_header, session_headers  # noqa: E402
-from flywheel.sdk.transports.memory import MemoryTransport  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -31,27 +30,8 @@ MESSAGES = [{"role": "user", "content": "3+4="}]
 
 
 @pytest.fixture
-def fw(tmp_path: Path) -> Iterator[Flywheel]:
-    litellm.telemetry = False
-    client = Flywheel(project="litellm-it", transport=MemoryTransport(), spool_dir=tmp_path)
-    callback = client.litellm_callback()
-    saved = litellm.callbacks
-    litellm.callbacks = [callback]
-    yield client
-    litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
-    litellm.callbacks = saved
-    client.close(2)
-
-
-def completions(fw: Flywheel, count: int, timeout: float = 30.0) -> list[Completion]:
-    """The completion events delivered once there are ``count`` (sync success hooks run on a LiteLLM thread)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        fw.flush()
-        found = [e for e in fw.transport.events() if isinstance(e, Completion)]  # type: ignore[attr-defined]
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+def fw(litellm_flywheel: Callable[[str], Flywheel]) -> Flywheel:
+    return litellm_flywheel("litellm-it")
 
 
 def call_options(replica: Any) -> dict[str, Any]:
@@ -89,9 +69,9 @@ def test_sync_async_and_streamed_calls_are_logged_in_their_session(vllm_replica,
     other_id = asyncio.run(run())
     outside = litellm.completion(**options)  # outside a session: not logged
     assert outside.choices
-    events = completions(fw, 4)
+    events = logged_completions(fw, 4, timeout=30.0)
     time.sleep(1)
-    events = completions(fw, 5, timeout=1)
+    events = logged_completions(fw, 5, timeout=1)
     assert len(events) == 4, [e.completion_text for e in events]
     assert all(t for t in texts)
     by_session: dict[str, list[str]] = {}
@@ -109,7 +89,7 @@ def test_token_data_when_the_agent_asks_for_it(vllm_replica, fw: Flywheel) -> No
     options = call_options(vllm_replica)
     with fw.session():
         reply = litellm.completion(**options, logprobs=True, top_logprobs=0, extra_body={"return_token_ids": True})
-    [event] = completions(fw, 1)
+    [event] = logged_completions(fw, 1, timeout=30.0)
     # LiteLLM passes the server's response headers on as llm_provider-<name>, as the callback reads them
     assert _response_header(reply, "content-type") == "application/json"
     assert event.completion_text == reply.choices[0].message.content

@@ -13,17 +13,17 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
 
 import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the cost map at import
 litellm = pytest.importorskip("litellm")
 
+from conftest import logged_completions  # noqa: E402
+
 import flywheel.sdk.litellm  # noqa: E402
-from flywheel.core.contracts import Completion  # noqa: E402
 from flywheel.sdk import Flywheel  # noqa: E402
 from flywheel.sdk.litellm import FlywheelCallback, call_fields, session_headers  # noqa: E402
 from flywheel.sdk.transports.memory import MemoryTransport  # noqa: E402
@@ -32,27 +32,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture
-def fw(tmp_path: Any) -> Iterator[Flywheel]:
-    litellm.telemetry = False
-    client = Flywheel(project="litellm-test", transport=MemoryTransport(), spool_dir=tmp_path)
-    callback = client.litellm_callback()
-    saved = litellm.callbacks
-    litellm.callbacks = [callback]
-    yield client
-    litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
-    litellm.callbacks = saved
-    client.close(2)
-
-
-def completions(fw: Flywheel, count: int, timeout: float = 10.0) -> list[Completion]:
-    """The completion events delivered, once there are ``count`` (sync success hooks run on a LiteLLM thread)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        fw.flush()
-        found = [e for e in fw.transport.events() if isinstance(e, Completion)]  # type: ignore[attr-defined]
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
+def fw(litellm_flywheel: Callable[[str], Flywheel]) -> Flywheel:
+    return litellm_flywheel("litellm-test")
 
 
 def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -129,7 +110,7 @@ def test_sync_call_in_a_session_is_logged(fw: Flywheel) -> None:
         reply = litellm.completion(model="openai/m", messages=MESSAGES, mock_response="7", temperature=0.2,
                                    max_tokens=5, api_key="x")  # fmt: skip
     assert reply.choices[0].message.content == "7"
-    [event] = completions(fw, 1)
+    [event] = logged_completions(fw, 1)
     assert (event.session_id, event.completion_text, event.finish_reason) == (s.session_id, "7", "stop")
     assert event.model == "m" and event.policy_version == "m"
     assert event.sampling.temperature == 0.2 and event.sampling.max_tokens == 5
@@ -142,7 +123,7 @@ def test_sync_stream_is_logged_in_the_session_it_started_in(fw: Flywheel) -> Non
         chunks = litellm.completion(model="openai/m", messages=MESSAGES, mock_response="seven", stream=True,
                                     api_key="x")  # fmt: skip
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    [event] = completions(fw, 1)
+    [event] = logged_completions(fw, 1)
     assert text == "seven" and event.completion_text == "seven"
     assert event.session_id == s.session_id and event.span.span_id == span.span_id
 
@@ -159,7 +140,7 @@ def test_async_calls_streamed_or_not_are_logged(fw: Flywheel) -> None:
         return s.session_id, "done"
 
     session_id, _ = asyncio.run(run())
-    events = completions(fw, 2)
+    events = logged_completions(fw, 2)
     assert sorted(e.completion_text for e in events) == ["a", "b c"]
     assert {e.session_id for e in events} == {session_id}
 
@@ -170,7 +151,7 @@ def test_calls_outside_a_session_and_failures_log_nothing(fw: Flywheel) -> None:
         litellm.completion(model="openai/m", messages=MESSAGES, api_key="x", num_retries=0,
                            mock_response=litellm.exceptions.APIError(500, "boom", "openai", "m"))  # fmt: skip
     wait_until(lambda: not flywheel.sdk.litellm._pending)
-    assert completions(fw, 1, timeout=1.0) == []
+    assert logged_completions(fw, 1, timeout=1.0) == []
     assert not flywheel.sdk.litellm._pending  # the failed call's scope is forgotten
     assert fw.stats.errors == 0
 
