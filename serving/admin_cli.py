@@ -201,6 +201,14 @@ def _deployment_line(role: str, dep: dict[str, Any] | None) -> str:
     )
 
 
+def _pin_lines(pins: list[dict[str, Any]] | None) -> list[str]:
+    return [
+        f"  pinned  role={p.get('agent_role')} checkpoint={p.get('checkpoint_id')} "
+        f"version={p.get('policy_version', '-')} status={p.get('status', '-')} id={p.get('id', '-')}"
+        for p in pins or []
+    ]
+
+
 def _pause_line(what: str, state: dict[str, Any]) -> str:
     if not state.get("paused"):
         return f"{what}: running"
@@ -223,6 +231,8 @@ def print_fleet(fleet: dict[str, Any]) -> None:
     typer.echo(f"fleet {fleet.get('fleet', '')}".rstrip())
     typer.echo(_deployment_line("stable", fleet.get("stable")))
     typer.echo(_deployment_line("canary", fleet.get("canary")))
+    for line in _pin_lines(fleet.get("pins")):
+        typer.echo(line)
     for rep in fleet.get("replicas") or []:
         reason = f"  ({rep['reason']})" if rep.get("reason") else ""
         typer.echo(
@@ -239,6 +249,8 @@ def _print_result(answer: dict[str, Any], as_json: bool) -> None:
     typer.echo(f"{answer.get('action')} done by {answer.get('actor')} on fleet {answer.get('fleet')}")
     typer.echo(_deployment_line("stable", answer.get("stable")))
     typer.echo(_deployment_line("canary", answer.get("canary")))
+    for line in _pin_lines(answer.get("pins")):
+        typer.echo(line)
     for ended in answer.get("ended") or []:
         typer.echo(
             f"  ended   {ended.get('role')} deployment {ended.get('id')} ({ended.get('checkpoint_id')}): "
@@ -339,7 +351,7 @@ def _act(
     url: str | None,
     method: str,
     path: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | None,
     wait: bool,
     timeout_s: float,
     as_json: bool,
@@ -453,6 +465,33 @@ def rollback_command(
 ) -> None:
     """Roll back to the previous stable, or to any checkpoint with --to."""
     _act(token, url, "POST", "/v1/rollback", {"to_checkpoint_id": to, "reason": reason}, wait, timeout, as_json)
+
+
+def pin_command(
+    agent_role: str = typer.Argument(..., help="The agent role (as the SDK sends it in x-flywheel-agent-role)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint id or policy version every request of the role gets."),
+    reason: str | None = REASON_OPTION,
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Pin an agent role to a frozen checkpoint, whatever stable and canary serve (e.g. PARL's sub-agents)."""
+    body = {"checkpoint_id": checkpoint, "reason": reason}
+    _act(token, url, "PUT", f"/v1/pins/{agent_role}", body, wait, timeout, as_json)
+
+
+def unpin_command(
+    agent_role: str = typer.Argument(..., help="The pinned agent role."),
+    wait: bool = WAIT_OPTION,
+    timeout: float = TIMEOUT_OPTION,
+    token: str | None = TOKEN_OPTION,
+    url: str | None = URL_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """End an agent role's pin: its requests follow stable and canary again."""
+    _act(token, url, "DELETE", f"/v1/pins/{agent_role}", None, wait, timeout, as_json)
 
 
 # --------------------------------------------------------------------------- canary
@@ -771,6 +810,8 @@ def register(app: typer.Typer) -> None:
     app.command("deploy")(deploy_command)
     app.command("promote")(promote_command)
     app.command("rollback")(rollback_command)
+    app.command("pin")(pin_command)
+    app.command("unpin")(unpin_command)
     app.add_typer(canary_app, name="canary")
     app.add_typer(ops_app, name="ops")
     app.command("audit")(audit_command)

@@ -148,8 +148,17 @@ class RollbackRequest(_Request):
     """Why (kept in the audit log)."""
 
 
+class PinCreate(_Request):
+    """Pin an agent role to a checkpoint: every request of the role is served by it."""
+
+    checkpoint_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
+    """Registry id or policy version of the checkpoint."""
+    reason: str | None = Field(None, max_length=500, pattern=TEXT_PATTERN)
+    """Why (kept in the audit log)."""
+
+
 class DeploymentPublic(BaseModel):
-    """A deployment: a checkpoint's place in a fleet (stable or canary) with its traffic weight."""
+    """A deployment: a checkpoint's place in a fleet (stable, canary, or pinned to an agent role)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -158,12 +167,14 @@ class DeploymentPublic(BaseModel):
     checkpoint_id: str
     policy_version: str | None = None
     role: str
-    """``stable`` or ``canary``."""
+    """``stable``, ``canary`` or ``pinned``."""
+    agent_role: str | None = None
+    """The agent role a ``pinned`` deployment serves."""
     weight: float
     """Share of new sessions routed to it, 0..1."""
     strategy: str | None = None
     status: str
-    """``pending``, ``active``, ``promoted``, ``rolled_back``, ``failed`` or ``superseded``."""
+    """``pending``, ``active``, ``promoted``, ``rolled_back``, ``failed``, ``superseded`` or ``unpinned``."""
     reason: str | None = None
     created_by: str | None = None
     created_at: datetime | None = None
@@ -199,6 +210,8 @@ class FleetPublic(BaseModel):
     canary: DeploymentPublic | None = None
     """The active canary, else a pending one (being deployed), else None."""
     replicas: list[ReplicaPublic] = Field(default_factory=list)
+    pins: list[DeploymentPublic] = Field(default_factory=list)
+    """Active and pending role pins, by agent role."""
 
 
 class DeployResultPublic(BaseModel):
@@ -207,12 +220,15 @@ class DeployResultPublic(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     action: str
-    """The audit-log action (``deploy.canary``, ``deploy.weight``, ``deploy.promote``, ``deploy.rollback``)."""
+    """The audit-log action (``deploy.canary``, ``deploy.weight``, ``deploy.promote``, ``deploy.rollback``,
+    ``deploy.pin``, ``deploy.unpin``)."""
     actor: str
     """Who, as the audit log records it (``token:<name>``)."""
     fleet: str
     stable: DeploymentPublic | None = None
     canary: DeploymentPublic | None = None
+    pins: list[DeploymentPublic] = Field(default_factory=list)
+    """Active and pending role pins after it."""
     ended: list[dict[str, Any]] = Field(default_factory=list)
     """Deployments this action ended (id, checkpoint, role, status, reason)."""
     swaps: list[dict[str, Any]] = Field(default_factory=list)

@@ -52,6 +52,7 @@ from flywheel.model.check import ModelCheckError
 from serving.canary.live import read_live
 from serving.canary.policy import Decision, decide
 from serving.fleet import deploy
+from serving.fleet.pins import apply_settings_pins
 from serving.fleet.registry import DeployError, Registration, register_replicas
 
 if TYPE_CHECKING:
@@ -333,7 +334,8 @@ def run(settings: Settings, max_looks: int | None = None) -> None:
 
     Each look first registers the replicas ``vllm.urls`` names (:func:`register_configured`), so
     a fleet deployed without the demo routes from its first minute and a replica that joins
-    late is registered and routed once healthy; then it reconciles the fleet and decides about
+    late is registered and routed once healthy; then it reconciles the fleet, applies the role
+    pins of ``serving.role_pins`` (:func:`serving.fleet.pins.apply_settings_pins`) and decides about
     the canary. A refused or failed action (:class:`serving.fleet.registry.DeployError`, e.g. ops
     changed the canary meanwhile) and a lost database connection are logged and retried at the
     next look; anything else stops the loop.
@@ -357,6 +359,7 @@ def run(settings: Settings, max_looks: int | None = None) -> None:
         try:
             if reconcile is not None:
                 reconcile(engine, settings, actor=ACTOR)
+            apply_settings_pins(engine, settings)
             run_once(engine, settings)
             auto_deploy(engine, settings)
         except (DeployError, OperationalError, VllmAdminError) as err:

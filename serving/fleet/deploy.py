@@ -10,8 +10,8 @@ Every operation holds the fleet's advisory lock (:func:`serving.fleet.registry.f
 concurrent one is refused with ``conflict``) and writes one ``audit_log`` row (actor,
 action, ``fleet:<name>``, the fleet status before and after, details with the swaps'
 numbers), also when it is refused or fails (``success=false``). Each returns
-``{"fleet", "stable", "canary", "ended", "swaps"}``: the fleet's active (or pending) stable
-and canary deployments after the change, the deployments it ended, and the swaps it ran.
+``{"fleet", "stable", "canary", "pins", "ended", "swaps"}``: the fleet's active (or pending) stable
+and canary deployments and role pins after the change, the deployments it ended, and the swaps it ran.
 
 :func:`check_canary`, :func:`check_weight`, :func:`check_promote` and :func:`check_rollback`
 raise the refusals an operation would raise as of now, without the lock and without reading
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from flywheel.core import vllm_admin
@@ -36,6 +36,7 @@ from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from serving.fleet.registry import (
     DeployError,
     active_deployment,
+    active_pins,
     fleet_lock,
     fleet_replicas,
     fleet_status,
@@ -125,6 +126,7 @@ def _answer(engine: Engine, fleet: str, record: _Audit, swaps: list[SwapResult])
         "fleet": fleet,
         "stable": status["stable"],
         "canary": status["canary"],
+        "pins": status["pins"],
         "ended": record.ended,
         "swaps": [s.to_dict() for s in swaps],
     }
@@ -194,6 +196,17 @@ def canary_urls(replicas: list[Replica], stable_checkpoint_id: str, wanted: int,
     return candidates[-wanted:]
 
 
+def pin_ids(session: Session, fleet: str) -> set[int]:
+    """Ids of the fleet's active or pending pins (:mod:`serving.fleet.pins`)."""
+    return {row.id for row in active_pins(session, fleet)}
+
+
+def without_pins(session: Session, fleet: str, replicas: list[Replica]) -> list[Replica]:
+    """``replicas`` less those a role pin owns: stable and canary operations never move them."""
+    owned = pin_ids(session, fleet)
+    return [r for r in replicas if r.deployment_id is None or r.deployment_id not in owned]
+
+
 def _live_urls(replicas: list[Replica]) -> list[str]:
     return [r.url for r in replicas if r.state != "failed"]
 
@@ -220,6 +233,7 @@ def _plan_canary(
         raise DeployError("conflict", f"checkpoint {checkpoint_id} is already the stable deployment of fleet {fleet!r}")
     replicas = fleet_replicas(session, fleet)
     if strategy == "full":
+        replicas = without_pins(session, fleet, replicas)
         urls = canary_urls(replicas, stable.checkpoint_id, settings.serving.canary_replicas, fleet)
     else:
         urls = _live_urls(replicas)
@@ -461,8 +475,9 @@ def promote(
             canary = _require_canary(session, fleet, " to promote")
             stable = _require_stable(session, fleet)
             checkpoint = session.get(Checkpoint, canary.checkpoint_id)
-            replicas = fleet_replicas(session, fleet)
+            replicas = without_pins(session, fleet, fleet_replicas(session, fleet))
             urls = [r.url for r in replicas if r.state != "failed" and r.checkpoint_id != canary.checkpoint_id]
+            pins = pin_ids(session, fleet)
         record.details.update(canary_id=canary.id, stable_id=stable.id, checkpoint_id=canary.checkpoint_id)
         swaps = _rollout(engine, settings, urls, checkpoint, canary.id, verify, actor)
         record.details["swaps"] = [s.to_dict() for s in swaps]
@@ -490,7 +505,11 @@ def promote(
             session.flush()
             session.execute(
                 update(Replica)
-                .where(Replica.fleet == fleet, Replica.checkpoint_id == canary.checkpoint_id)
+                .where(
+                    Replica.fleet == fleet,
+                    Replica.checkpoint_id == canary.checkpoint_id,
+                    or_(Replica.deployment_id.is_(None), Replica.deployment_id.not_in(pins or {-1})),
+                )
                 .values(deployment_id=new.id, updated_at=func.now())
             )
             _mark_deployed(session, canary.checkpoint_id, f"promoted to stable of fleet {fleet} by {actor}")
@@ -605,7 +624,7 @@ def _rollback_stable(
         session.add(new)
         session.commit()
         current_checkpoint = session.get(Checkpoint, stable.checkpoint_id)
-        urls = _live_urls(fleet_replicas(session, fleet))
+        urls = _live_urls(without_pins(session, fleet, fleet_replicas(session, fleet)))
     record.details.update(
         stable_id=stable.id, new_stable_id=new.id, from_checkpoint_id=stable.checkpoint_id, to_checkpoint_id=target_id
     )

@@ -71,6 +71,8 @@ class DeploymentInfo:
     created_at: str | None
     updated_at: str | None
     ended_at: str | None
+    agent_role: str | None = None
+    """The agent role of a ``pinned`` deployment (None for stable and canary)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable."""
@@ -99,13 +101,15 @@ class ReplicaInfo:
 
 @dataclass
 class FleetStatus:
-    """What a fleet serves: its stable and canary deployments and its replicas."""
+    """What a fleet serves: its stable and canary deployments, its role pins and its replicas."""
 
     fleet: str
     stable: DeploymentInfo | None
     canary: DeploymentInfo | None
     """The active canary, else a pending one (being deployed), else None."""
     replicas: list[ReplicaInfo] = field(default_factory=list)
+    pins: list[DeploymentInfo] = field(default_factory=list)
+    """Active and pending role pins (:mod:`serving.fleet.pins`), by agent role."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable."""
@@ -114,6 +118,7 @@ class FleetStatus:
             "stable": self.stable.to_dict() if self.stable else None,
             "canary": self.canary.to_dict() if self.canary else None,
             "replicas": [r.to_dict() for r in self.replicas],
+            "pins": [p.to_dict() for p in self.pins],
         }
 
 
@@ -138,6 +143,7 @@ def deployment_info(session: Session, row: Deployment) -> DeploymentInfo:
         created_at=_iso(row.created_at),
         updated_at=_iso(row.updated_at),
         ended_at=_iso(row.ended_at),
+        agent_role=row.agent_role or None,
     )
 
 
@@ -162,6 +168,16 @@ def active_deployment(session: Session, fleet: str, role: str) -> Deployment | N
     """The fleet's active deployment of ``role`` (``stable`` or ``canary``)."""
     query = select(Deployment).where(Deployment.fleet == fleet, Deployment.role == role, Deployment.status == "active")
     return session.scalars(query).first()
+
+
+def active_pins(session: Session, fleet: str) -> list[Deployment]:
+    """The fleet's active and pending role pins (role ``pinned``), by agent role."""
+    query = (
+        select(Deployment)
+        .where(Deployment.fleet == fleet, Deployment.role == "pinned", Deployment.status.in_(("active", "pending")))
+        .order_by(Deployment.agent_role)
+    )
+    return list(session.scalars(query))
 
 
 def fleet_replicas(session: Session, fleet: str) -> list[Replica]:
@@ -192,6 +208,7 @@ def fleet_status(engine: Engine, fleet: str) -> FleetStatus:
             stable=deployment_info(session, stable) if stable else None,
             canary=deployment_info(session, canary) if canary else None,
             replicas=[replica_info(r) for r in fleet_replicas(session, fleet)],
+            pins=[deployment_info(session, p) for p in active_pins(session, fleet)],
         )
 
 

@@ -139,7 +139,7 @@ class UpstreamFailed(Exception):
 def read_table(engine: Engine, fleet: str) -> RoutingTable:
     """The fleet's active deployments (with their checkpoints' policy versions) and replica rows."""
     deployments = (
-        select(Deployment.role, Deployment.weight, Deployment.id, Checkpoint.policy_version)
+        select(Deployment.role, Deployment.agent_role, Deployment.weight, Deployment.id, Checkpoint.policy_version)
         .join(Checkpoint, Checkpoint.id == Deployment.checkpoint_id)
         .where(Deployment.fleet == fleet, Deployment.status == "active")
         .order_by(Deployment.id)
@@ -149,15 +149,20 @@ def read_table(engine: Engine, fleet: str) -> RoutingTable:
         .where(Replica.fleet == fleet)
         .order_by(Replica.id)
     )
+    entries: dict[routing.Role, routing.DeploymentEntry] = {}
+    pins: dict[str, routing.PinEntry] = {}
     with engine.connect() as conn:
-        entries = {
-            row.role: routing.DeploymentEntry(row.role, row.policy_version, float(row.weight), int(row.id))
-            for row in conn.execute(deployments)
-        }
+        for row in conn.execute(deployments):
+            if row.role == "pinned":
+                pins[row.agent_role] = routing.PinEntry(row.agent_role, row.policy_version, int(row.id))
+            else:
+                entries[row.role] = routing.DeploymentEntry(
+                    row.role, row.policy_version, float(row.weight), int(row.id)
+                )
         rows = tuple(
             ReplicaRow(r.url.rstrip("/"), r.state, r.policy_version, int(r.id)) for r in conn.execute(replicas)
         )
-    return RoutingTable(deployments=entries, replicas=rows)
+    return RoutingTable(deployments=entries, replicas=rows, pins=pins)
 
 
 def read_keys(engine: Engine, used: set[int]) -> dict[str, KeyInfo]:
@@ -217,6 +222,11 @@ class Metrics:
             return Counter(name, doc, [label], registry=self.registry)
 
         self.retries = counter("flywheel_router_retries", "Requests retried on another replica", "policy_version")
+        self.pinned = counter(
+            "flywheel_router_pinned_requests",
+            "Requests of a pinned agent role sent to its pinned version",
+            "agent_role",
+        )
         self.ejections = counter("flywheel_router_ejections", "Replicas ejected", "replica")
         self.rejoins = counter("flywheel_router_rejoins", "Ejected replicas back after a passing probe", "replica")
         self.rejected = counter(
@@ -544,16 +554,31 @@ class Router:
         """Model names a request may name: the fleet's alias, the replicas' served names and every
         version in the table."""
         names = {self.settings.serving.model_alias, *(e.policy_version for e in self.table.deployments.values())}
+        names.update(pin.policy_version for pin in self.table.pins.values())
         names.update(r.policy_version for r in self.table.replicas if r.policy_version)
         for ids in self.models.values():
             names.update(ids)
         return names
 
-    async def decide(self, session_id: str | None) -> Decision:
-        """The request's policy version, waiting up to ``wait_s`` for a routable replica."""
+    async def decide(self, session_id: str | None, agent_role: str | None = None) -> Decision:
+        """The request's policy version, waiting up to ``wait_s`` for a routable replica (of the pinned
+        version, for a request of a pinned agent role)."""
         deadline = time.monotonic() + self.wait_s
         while True:
-            decision = routing.decide(self.routes, session_id, self.sticky, time.monotonic(), self.rng)
+            decision = routing.decide(self.routes, session_id, self.sticky, time.monotonic(), self.rng, agent_role)
+            if decision is not None and decision.pin is not None:
+                if self.routes.by_version.get(decision.policy_version):
+                    self.metrics.pinned.labels(decision.pin.agent_role).inc()
+                    return decision
+                if not await self._wait_for_change(deadline):
+                    pin = decision.pin
+                    raise RouterError(
+                        503,
+                        f"agent role {pin.agent_role!r} is pinned to policy version {pin.policy_version!r} "
+                        f"(deployment {pin.deployment_id}), which no routable replica serves: {self.why_unroutable()}",
+                        "service_unavailable",
+                    )
+                continue
             if decision is not None:
                 return decision
             if not await self._wait_for_change(deadline):
@@ -638,7 +663,7 @@ class Router:
         if self.capture is not None and self.cfg.capture.covers(project):
             assert project is not None
             capture = Capture.begin(path, payload, project, session_id, span)
-        decision = await self.decide(session_id)
+        decision = await self.decide(session_id, span[1])
         version = decision.policy_version
         stream = payload.get("stream") is True
         tried: set[str] = set()
@@ -838,6 +863,9 @@ class Router:
                         else (1.0 - self.table.canary_weight if role else None),
                         "replicas": len(self.routes.by_version[version]),
                         "deployment_id": entry.deployment_id if entry else None,
+                        "pinned_roles": sorted(
+                            p.agent_role for p in self.table.pins.values() if p.policy_version == version
+                        ),
                     },
                 }
             )

@@ -14,6 +14,10 @@ the results of its health probes and the clock, so every rule is testable on its
   with a TTL after the last request); later requests go to that version while a routable
   replica serves it, else the session is moved to what the split gives now (a rolled-back
   canary's sessions go to stable).
+- **Role pins**: a request whose agent role (``x-flywheel-agent-role``) is pinned goes to the
+  pin's policy version, whatever its session's split or stickiness says, and never changes the
+  session's sticky version (the session's other roles keep theirs). No routable replica of the
+  pinned version means no answer, never the learning policy instead.
 - **Within a version**: the replica with the fewest outstanding requests.
 - **Ejection** (:class:`ReplicaHealth`): ``eject_after`` consecutive failures (probes or
   connection errors of real requests) eject a replica; a successful probe brings it back.
@@ -54,6 +58,15 @@ class DeploymentEntry:
 
 
 @dataclass(frozen=True)
+class PinEntry:
+    """An active role pin: every request of ``agent_role`` goes to ``policy_version``."""
+
+    agent_role: str
+    policy_version: str
+    deployment_id: int | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaRow:
     """A ``replicas`` row of the fleet."""
 
@@ -71,6 +84,8 @@ class RoutingTable:
 
     deployments: Mapping[Role, DeploymentEntry]
     replicas: tuple[ReplicaRow, ...]
+    pins: Mapping[str, PinEntry] = field(default_factory=dict)
+    """Active role pins by agent role."""
 
     @property
     def stable(self) -> DeploymentEntry | None:
@@ -215,6 +230,8 @@ class Decision:
     role: Role | None
     sticky: bool
     """True when the version came from the session's earlier requests."""
+    pin: PinEntry | None = None
+    """The role pin that chose the version (then ``role`` and ``sticky`` say nothing)."""
 
 
 @dataclass
@@ -257,6 +274,7 @@ def build_routes(table: RoutingTable, health: Mapping[str, ReplicaHealth]) -> Ro
     """
     routes = Routes(table=table)
     deployed = {entry.policy_version for entry in table.deployments.values()}
+    deployed.update(pin.policy_version for pin in table.pins.values())
     for row in table.replicas:
         state = health.get(row.url)
         if state is None or not routable(row, state):
@@ -293,12 +311,17 @@ def decide(
     sticky: StickyTable,
     now: float,
     rng: random.Random | None = None,
+    agent_role: str | None = None,
 ) -> Decision | None:
     """The policy version of one request (None: no routable replica at all).
 
-    A known session keeps its version while a routable replica serves it; otherwise the
-    split decides and the session is pinned to the result.
+    A request of a pinned ``agent_role`` gets the pin's version, routable or not (the caller
+    waits for it or refuses). Otherwise a known session keeps its version while a routable
+    replica serves it, else the split decides and the session is pinned to the result.
     """
+    pin = routes.table.pins.get(agent_role) if agent_role is not None else None
+    if pin is not None:
+        return Decision(pin.policy_version, None, sticky=False, pin=pin)
     if session_id is not None:
         pinned = sticky.get(session_id, now)
         if pinned is not None and routes.by_version.get(pinned):

@@ -362,6 +362,30 @@ def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens
             assert row.details["error"] == kind and row.details["token_id"]
 
 
+def test_pin_refusals_name_what_is_wrong_and_are_audited(engine, client, tokens, base_id, fleet, unused_port):
+    operator = bearer(tokens["operator"])
+    cases = [
+        ("PUT", "/v1/pins/subagent", {"checkpoint_id": base_id}, 409, "conflict", "no active stable", "deploy.pin"),
+        ("PUT", "/v1/pins/agent", {"checkpoint_id": base_id}, 409, "conflict", "is trained", "deploy.pin"),
+        ("PUT", "/v1/pins/subagent", {"checkpoint_id": "nope"}, 404, "not_found", "no checkpoint 'nope'", "deploy.pin"),
+        ("PUT", "/v1/pins/sub%20agent", {"checkpoint_id": base_id}, 422, "invalid", "agent_role", "deploy.pin"),
+        ("PUT", "/v1/pins/subagent", {"checkpoint": base_id}, 422, "invalid", "body.checkpoint", "deploy.pin"),
+        ("DELETE", "/v1/pins/subagent", None, 404, "not_found", "is not pinned", "deploy.unpin"),
+    ]
+    for method, path, body, status, kind, fragment, action in cases:
+        before = last_audit_id(engine)
+        response = client.request(method, path, json=body, headers=operator)
+        assert response.status_code == status, (path, body, response.text)
+        answer = response.json()
+        assert answer["error"] == kind and fragment in answer["reason"], answer
+        [row] = audit_since(engine, before)
+        assert (row.action, row.success, row.actor) == (action, False, "token:operator"), row.details
+    stable_fleet(engine, fleet, base_id, [f"http://127.0.0.1:{unused_port()}"])
+    response = client.put("/v1/pins/subagent", json={"checkpoint_id": base_id}, headers=operator)
+    assert response.status_code == 409 and "would leave no stable replica" in response.json()["reason"]
+    assert client.get("/v1/fleet", headers=operator).json()["pins"] == []
+
+
 def test_a_full_weight_canary_needs_a_spare_replica(engine, client, tokens, base_id, fleet, base_model_dir):
     from serving.fleet.registry import ensure_fleet
 
@@ -438,7 +462,7 @@ def test_a_failed_swap_fails_the_operation_502_with_wait_and_the_canary_ends_fai
 def test_fleet_and_status_views(client, tokens, engine, base_id, fleet):
     viewer = bearer(tokens["viewer"])
     empty = client.get("/v1/fleet", headers=viewer).json()
-    assert empty == {"fleet": fleet, "stable": None, "canary": None, "replicas": []}
+    assert empty == {"fleet": fleet, "stable": None, "canary": None, "replicas": [], "pins": []}
     stable_fleet(engine, fleet, base_id, [dead_url()])
     fleet_now = client.get("/v1/fleet", headers=viewer).json()
     assert fleet_now["stable"]["checkpoint_id"] == base_id and fleet_now["stable"]["weight"] == 1.0

@@ -178,7 +178,11 @@ def test_deployment_commands_print_the_reason_and_are_audited(db_url, server, op
     assert rollback.exit_code == 1 and "HTTP 409 conflict" in rollback.output and "no active stable" in rollback.output
     weight = flywheel("canary", "weight", "0.25", "--url", server, env=env)
     assert weight.exit_code == 1 and "no active canary" in weight.output
-    for action in ("deploy.canary", "deploy.promote", "deploy.rollback", "deploy.weight"):
+    pin = flywheel("pin", "agent", "ck-cli", "--url", server, env=env)
+    assert pin.exit_code == 1 and "HTTP 409 conflict" in pin.output and "agent role 'agent' is trained" in pin.output
+    unpin = flywheel("unpin", "subagent", "--url", server, env=env)
+    assert unpin.exit_code == 1 and "HTTP 404 not_found: agent role 'subagent' is not pinned" in unpin.output
+    for action in ("deploy.canary", "deploy.promote", "deploy.rollback", "deploy.weight", "deploy.pin", "deploy.unpin"):
         rows = audit(db_url, action)
         assert rows and all(r.actor == "token:ops" and not r.success for r in rows), action
     assert audit(db_url, "deploy.promote")[-1].details["reason"] == "looks good"

@@ -374,6 +374,63 @@ def test_sessions_stay_on_one_version_at_half_canary(fleet: Fleet) -> None:
     assert all(expected[v] == r for pairs in seen.values() for v, r in pairs)
 
 
+def test_a_pinned_role_is_served_by_its_frozen_version_and_its_session_stays_on_stable(fleet: Fleet) -> None:
+    """Replica 1 serves the pinned version: sub-agent requests go there, the orchestrator's (same session)
+    stay on stable; with the pinned replica out of rotation, sub-agent requests get 503 naming the pin."""
+    configure(fleet, [fleet.base_version, CANARY], None)
+    with Session(fleet.engine) as s:
+        s.add(Deployment(fleet=FLEET, checkpoint_id=CANARY, role="pinned", agent_role="subagent", weight=0.0,
+                         status="active"))  # fmt: skip
+        s.commit()
+    try:
+        with RouterThread(router_settings(fleet), fleet.engine) as rt:
+            wait_for(lambda: len(rt.router.routes.by_version) == 2, 20, "both versions routable")
+            client = openai.OpenAI(api_key=fleet.key, base_url=f"{rt.url}/v1", max_retries=0)
+
+            def served(sid: str, role: str | None) -> tuple[str, str]:
+                headers = {"x-flywheel-session-id": sid}
+                if role:
+                    headers["x-flywheel-agent-role"] = role
+                raw = client.completions.with_raw_response.create(
+                    model="flywheel", prompt="1+1=", max_tokens=2, extra_headers=headers
+                )
+                return raw.headers["x-flywheel-policy-version"], raw.headers["x-flywheel-replica"]
+
+            stable = (fleet.base_version, fleet.id_of(fleet.urls[0]))
+            pinned = (CANARY, fleet.id_of(fleet.urls[1]))
+            for i in range(6):
+                sid = f"parl-{i}"
+                assert served(sid, "orchestrator") == stable
+                assert served(sid, "subagent") == pinned
+                assert served(sid, None) == stable  # the sub-agent's request never moved the session
+            models = {
+                m["id"]: m["flywheel"] for m in httpx.get(f"{rt.url}/v1/models", headers=fleet.auth).json()["data"]
+            }
+            assert models[CANARY]["pinned_roles"] == ["subagent"] and models[fleet.base_version]["pinned_roles"] == []
+            pinned_count = generate_latest(rt.router.metrics.registry).decode()
+            assert 'flywheel_router_pinned_requests_total{agent_role="subagent"} 6.0' in pinned_count
+
+            with Session(fleet.engine) as s:
+                s.execute(update(Replica).where(Replica.url == fleet.urls[1]).values(state="draining"))
+                s.commit()
+            wait_for(lambda: CANARY not in rt.router.routes.by_version, 20, "the pinned replica out of rotation")
+            response = httpx.post(
+                f"{rt.url}/v1/completions",
+                json={"model": "flywheel", "prompt": "1+1=", "max_tokens": 2},
+                headers={**fleet.auth, "x-flywheel-agent-role": "subagent"},
+                timeout=60,
+            )
+            assert response.status_code == 503, response.text
+            assert (
+                f"agent role 'subagent' is pinned to policy version {CANARY!r}" in response.json()["error"]["message"]
+            )
+            assert served("parl-0", "orchestrator") == stable
+    finally:
+        with Session(fleet.engine) as s:
+            s.execute(update(Deployment).where(Deployment.role == "pinned").values(status="unpinned"))
+            s.commit()
+
+
 def test_a_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:
     configure(fleet, [fleet.base_version] * 2, None, states=["serving", "draining"])
     with RouterThread(router_settings(fleet), fleet.engine) as rt:

@@ -33,6 +33,7 @@ from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
 from serving.fleet import swap
 from serving.fleet.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
+from serving.fleet.pins import apply_settings_pins, pin_role, unpin_role
 from serving.fleet.registry import ensure_fleet, fleet_lock, fleet_status
 from serving.fleet.strategies import Target, get_strategy
 from serving.fleet.swap import SwapVerifyError, rolling_swap, swap_replica, verify_replica
@@ -618,6 +619,65 @@ def test_lora_canary_shares_the_replicas_then_promotes_and_rolls_back(engine, se
     out = rollback(engine, lora, "ops:test")
     assert out["stable"]["checkpoint_id"] == base_version and out["swaps"] == []  # the base is always on the replicas
     assert [vllm_admin.weight_info(u) for u in fleet] == [base_version, base_version]
+
+
+def test_a_pinned_role_keeps_its_replica_through_a_stable_rollback_until_unpinned(
+    engine, settings, fleet, base_version
+):
+    """Full weights: the pin takes one stable replica; stable operations swap only the others; unpinning
+    returns it to the stable; settings pins are applied (and re-applied) by the controller's tick."""
+    subagent = settings.model_copy(
+        update={"serving": settings.serving.model_copy(update={"role_pins": {"subagent": base_version}})}
+    )
+    with pytest.raises(DeployError, match="is trained"):
+        pin_role(engine, settings, "agent", base_version, "ops:test")
+    with pytest.raises(DeployError, match="pinned by settings"):
+        pin_role(engine, subagent, "subagent", PERTURBED, "ops:test")
+
+    [out] = apply_settings_pins(engine, subagent)  # the controller's tick: pin the frozen base
+    [pin] = out["pins"]
+    assert (pin["agent_role"], pin["checkpoint_id"], pin["status"], pin["role"]) == (
+        "subagent",
+        base_version,
+        "active",
+        "pinned",
+    )
+    assert [s["url"] for s in out["swaps"]] == [fleet[0]]
+    assert apply_settings_pins(engine, subagent) == []  # already applied: nothing to do
+    rows = replica_rows(engine)
+    assert rows[fleet[0]].deployment_id == pin["id"] and rows[fleet[1]].deployment_id == out["stable"]["id"]
+
+    with pytest.raises(DeployError, match="would leave no stable replica"):
+        deploy_canary(engine, subagent, PERTURBED, 0.1, "ops:test")  # the pinned replica is not the stable's
+
+    out = rollback(engine, subagent, "ops:test", to_checkpoint_id=PERTURBED)
+    assert [s["url"] for s in out["swaps"]] == [fleet[1]]  # the stable moved without the pinned replica
+    assert [vllm_admin.weight_info(u) for u in fleet] == [base_version, PERTURBED]
+    assert [p["checkpoint_id"] for p in out["pins"]] == [base_version]
+    assert reconcile(engine, subagent) == []  # both replicas serve what their deployments say
+
+    with pytest.raises(DeployError, match="pinned by settings"):
+        unpin_role(engine, subagent, "subagent", "ops:test")
+    out = unpin_role(engine, settings, "subagent", "ops:test")
+    assert out["pins"] == [] and [(e["role"], e["status"]) for e in out["ended"]] == [("pinned", "unpinned")]
+    assert [s["url"] for s in out["swaps"]] == [fleet[0]]
+    assert [vllm_admin.weight_info(u) for u in fleet] == [PERTURBED, PERTURBED]
+    assert {r.deployment_id for r in replica_rows(engine).values()} == {out["stable"]["id"]}
+    actions = [(a.action, a.actor, a.success) for a in audit_rows(engine) if a.action.startswith("deploy.")]
+    assert actions[0] == ("deploy.pin", "ops:test", False) and ("deploy.pin", "settings", True) in actions
+    assert actions[-1] == ("deploy.unpin", "ops:test", True)
+
+
+def test_a_lora_pin_loads_its_adapter_on_every_replica(engine, settings, fleet, base_version):
+    lora = settings.model_copy(update={"serving": settings.serving.model_copy(update={"strategy": "lora"})})
+    out = pin_role(engine, lora, "subagent", ADAPTER, "ops:test")
+    assert [(p["agent_role"], p["policy_version"]) for p in out["pins"]] == [("subagent", ADAPTER)]
+    assert [s["url"] for s in out["swaps"]] == fleet
+    for url in fleet:
+        assert ADAPTER in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    out = pin_role(engine, lora, "subagent", base_version, "ops:test")  # re-pin: the base is on every replica
+    assert [p["checkpoint_id"] for p in out["pins"]] == [base_version] and out["swaps"] == []
+    assert [(e["checkpoint_id"], e["status"]) for e in out["ended"]] == [(ADAPTER, "unpinned")]
 
 
 def test_a_replica_killed_between_pause_and_resume_ends_failed_and_the_admin_api_says_so(

@@ -10,6 +10,7 @@ import pytest
 from serving.proxy.router import redact, splice_tag, sse_error
 from serving.proxy.routing import (
     DeploymentEntry,
+    PinEntry,
     ReplicaHealth,
     ReplicaRow,
     RoutingTable,
@@ -183,6 +184,46 @@ def test_canary_weight_is_zero_without_a_distinct_canary() -> None:
     )
     assert same.canary_weight == 0.0
     assert table(1.7).canary_weight == 1.0
+
+
+def pinned_table(replicas: list[tuple[str, str, str | None]] | None = None) -> RoutingTable:
+    rows = replicas if replicas is not None else [(A, "serving", "v1"), (B, "serving", "v2"), (C, "serving", "v0")]
+    pins = {"subagent": PinEntry("subagent", "v0", 3)}
+    return RoutingTable(
+        deployments=table(0.5).deployments, replicas=tuple(ReplicaRow(u, s, v) for u, s, v in rows), pins=pins
+    )
+
+
+def test_a_pinned_role_gets_its_version_and_leaves_the_session_where_it_was() -> None:
+    t = pinned_table()
+    routes = build_routes(t, healthy(t))
+    sticky = StickyTable(ttl_s=60, max_sessions=100)
+    sessions = [f"s{i}" for i in range(200)]
+    first = {s: decide(routes, s, sticky, 0.0).policy_version for s in sessions}
+    assert set(first.values()) == {"v1", "v2"}  # the split, never the pinned version
+    for s in sessions:
+        pinned = decide(routes, s, sticky, 1.0, agent_role="subagent")
+        assert (pinned.policy_version, pinned.pin, pinned.sticky) == ("v0", t.pins["subagent"], False)
+        assert decide(routes, s, sticky, 2.0, agent_role="orchestrator").policy_version == first[s]
+        assert decide(routes, s, sticky, 3.0).policy_version == first[s]
+    assert decide(routes, None, sticky, 4.0, agent_role="subagent").policy_version == "v0"
+
+
+def test_a_pinned_role_without_a_routable_replica_is_not_sent_elsewhere() -> None:
+    t = pinned_table([(A, "serving", "v1"), (B, "serving", "v2"), (C, "draining", "v0")])
+    routes = build_routes(t, healthy(t))
+    assert "v0" not in routes.by_version
+    decision = decide(routes, "s1", StickyTable(ttl_s=60, max_sessions=100), 0.0, agent_role="subagent")
+    assert decision.policy_version == "v0" and decision.pin is not None  # the router waits for it, then 503
+
+
+def test_a_pinned_lora_adapter_loaded_beside_the_base_gets_routes() -> None:
+    t = pinned_table([(A, "serving", "v1"), (B, "serving", "v1")])
+    health = healthy(t)
+    for h in health.values():
+        h.probe_ok("v1", ["base", "v0"])
+    routes = build_routes(t, health)
+    assert sorted(v.url for v in routes.by_version["v0"]) == [A, B]
 
 
 def test_least_outstanding_within_a_version() -> None:

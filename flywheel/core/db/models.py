@@ -45,7 +45,7 @@ PROJECT_ROLES = ("writer", "product")
 """Roles whose keys are scoped to one project: gateway write keys and the router's product keys."""
 CHECKPOINT_STATUSES = ("candidate", "rejected", "deployed", "retired", "deleted")
 CYCLE_STATUSES = ("running", "skipped", "failed", "candidate", "rejected")
-DEPLOYMENT_STATUSES = ("pending", "active", "promoted", "rolled_back", "failed", "superseded")
+DEPLOYMENT_STATUSES = ("pending", "active", "promoted", "rolled_back", "failed", "superseded", "unpinned")
 REPLICA_STATES = ("serving", "draining", "swapping", "failed")
 OPERATION_STATES = ("queued", "running", "succeeded", "failed")
 OPERATION_ACTIVE = ("queued", "running")
@@ -293,7 +293,8 @@ class Checkpoint(Base):
 
 
 class Deployment(Base):
-    """A checkpoint's place in a fleet: stable or canary, with its traffic weight."""
+    """A checkpoint's place in a fleet: stable or canary, with its traffic weight, or ``pinned``: the
+    frozen checkpoint that serves every request of one agent role (``agent_role``)."""
 
     __tablename__ = "deployments"
 
@@ -301,6 +302,8 @@ class Deployment(Base):
     fleet: Mapped[str] = mapped_column(String(64))
     checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id"))
     role: Mapped[str] = mapped_column(String(16))
+    agent_role: Mapped[str] = mapped_column(String(64), server_default="")
+    """The agent role a ``pinned`` deployment serves (``''`` for stable and canary)."""
     weight: Mapped[float] = mapped_column(Float)
     """Share of new sessions routed to it, 0..1."""
     strategy: Mapped[str] = mapped_column(String(16), server_default="full")
@@ -312,7 +315,8 @@ class Deployment(Base):
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
-        CheckConstraint("role IN ('stable', 'canary')", name="role_known"),
+        CheckConstraint("role IN ('stable', 'canary', 'pinned')", name="role_known"),
+        CheckConstraint("(role = 'pinned') = (agent_role <> '')", name="pin_has_agent_role"),
         CheckConstraint("weight >= 0 AND weight <= 1", name="weight_range"),
         CheckConstraint(_in("status", DEPLOYMENT_STATUSES), name="status_known"),
         CheckConstraint("strategy ~ '^[a-z][a-z0-9_]*$'", name="strategy_named"),  # a registered swap strategy
@@ -320,6 +324,7 @@ class Deployment(Base):
             "uq_deployments_active_role",
             "fleet",
             "role",
+            "agent_role",
             unique=True,
             postgresql_where=text("status = 'active'"),
         ),

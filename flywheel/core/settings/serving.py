@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -158,6 +159,13 @@ class ServingSettings(BaseModel):
     """Sessions remembered at most (least recently used forgotten first)."""
     canary_replicas: int = Field(1, ge=1, le=64)
     """Replicas swapped to a canary checkpoint under the full-weight strategy."""
+    role_pins: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """Agent role (the SDK's ``x-flywheel-agent-role`` header) -> the checkpoint id or policy version every
+    request of that role is served by, whatever stable and canary do (PARL's frozen sub-agents). Applied by the
+    canary controller; the admin API may pin other roles (:mod:`serving.fleet.pins`). A pinned role must not be
+    a trainable role."""
+    pin_replicas: int = Field(1, ge=1, le=64)
+    """Replicas a role pin owns under the full-weight strategy (taken from the stable's, never all of them)."""
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     """How long a swap waits for in-flight requests to finish before pausing with ``keep``."""
     swap_timeout_s: float = Field(300.0, gt=0)
@@ -166,6 +174,16 @@ class ServingSettings(BaseModel):
     """The canary controller."""
     capture: CaptureSettings = Field(default_factory=CaptureSettings)
     """Router-side capture of the completions it proxies (off unless projects are named)."""
+
+    @field_validator("role_pins")
+    @classmethod
+    def _pins_named(cls, pins: dict[str, str]) -> dict[str, str]:
+        for role, ref in pins.items():
+            if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", role):
+                raise ValueError(f"agent role {role!r} is not 1-64 characters of letters, digits, '.', '_', '-'")
+            if not ref or len(ref) > 128:
+                raise ValueError(f"role_pins[{role!r}] must name a checkpoint id or policy version (1-128 characters)")
+        return pins
 
     @field_validator("strategy")
     @classmethod

@@ -1,4 +1,4 @@
-"""Deployment operations (operator): deploy a canary, change its weight, promote, roll back.
+"""Deployment operations (operator): deploy a canary, change its weight, promote, roll back, pin an agent role.
 
 Each refuses at once (4xx) what its ``serving.fleet.deploy.check_*`` function finds wrong
 now (unknown or unusable checkpoint, no canary, no stable, a canary already active) and
@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 
 from serving.admin.audit import mark_audited, write_audit
 from serving.admin.deps import AppSettings, DbEngine, Operator, Principal
@@ -30,13 +30,14 @@ from serving.admin.operations import OperationRunner, get_operation
 from serving.admin.schemas import (
     CanaryCreate,
     OperationPublic,
+    PinCreate,
     PromoteRequest,
     RollbackRequest,
     WeightUpdate,
     deploy_result,
     operation_public,
 )
-from serving.fleet import deploy
+from serving.fleet import deploy, pins
 from serving.fleet.registry import DeployError, fleet_status
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
@@ -46,6 +47,15 @@ Wait = Annotated[
     Query(
         description="Hold the request until the operation ends and answer 200 with it, or the failure's own "
         "status and reason (404, 409, 422, 502); still running after the wait, 202."
+    ),
+]
+AgentRole = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="The agent role, as the SDK sends it in x-flywheel-agent-role.",
     ),
 ]
 WaitS = Annotated[
@@ -218,4 +228,63 @@ def rollback(
         wait,
         wait_s,
         {"to_checkpoint_id": body.to_checkpoint_id},
+    )
+
+
+@router.put(
+    "/pins/{agent_role}", status_code=202, response_model=OperationPublic, name="deploy.pin", responses=RESPONSES
+)
+def pin_role(
+    operator: Operator,
+    settings: AppSettings,
+    engine: DbEngine,
+    request: Request,
+    response: Response,
+    agent_role: AgentRole,
+    body: PinCreate,
+    wait: Wait = False,
+    wait_s: WaitS = None,
+) -> OperationPublic:
+    """Pin an agent role to a checkpoint: its requests go to that checkpoint whatever stable and canary do
+    (PARL's frozen sub-agents). A pinned role already pinned moves to the new checkpoint."""
+    info = {"agent_role": agent_role, "checkpoint": body.checkpoint_id, "strategy": settings.serving.strategy}
+    return start_operation(
+        request,
+        response,
+        operator,
+        "deploy.pin",
+        {"agent_role": agent_role, **body.model_dump()},
+        lambda: pins.check_pin(engine, settings, agent_role, body.checkpoint_id, operator.actor),
+        lambda details: pins.pin_role(engine, settings, agent_role, body.checkpoint_id, operator.actor, details),
+        wait,
+        wait_s,
+        info,
+    )
+
+
+@router.delete(
+    "/pins/{agent_role}", status_code=202, response_model=OperationPublic, name="deploy.unpin", responses=RESPONSES
+)
+def unpin_role(
+    operator: Operator,
+    settings: AppSettings,
+    engine: DbEngine,
+    request: Request,
+    response: Response,
+    agent_role: AgentRole,
+    wait: Wait = False,
+    wait_s: WaitS = None,
+) -> OperationPublic:
+    """End an agent role's pin: its requests follow stable and canary again."""
+    return start_operation(
+        request,
+        response,
+        operator,
+        "deploy.unpin",
+        {"agent_role": agent_role},
+        lambda: pins.check_unpin(engine, settings, agent_role, operator.actor),
+        lambda details: pins.unpin_role(engine, settings, agent_role, operator.actor, details),
+        wait,
+        wait_s,
+        {"agent_role": agent_role},
     )
