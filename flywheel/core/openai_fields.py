@@ -245,7 +245,7 @@ def parse_chat_completion(response: Any) -> list[dict[str, Any]]:
         content = choice.logprobs.content if choice.logprobs is not None else None
         logprobs = [t.logprob for t in content] if content is not None else None
         results.append(
-            _response_fields(
+            response_fields(
                 text=message.content or "",
                 tool_calls=[c for c in (_tool_call(t) for t in message.tool_calls or ()) if c],
                 finish_reason=choice.finish_reason,
@@ -263,7 +263,7 @@ def parse_text_completion(response: Any) -> list[dict[str, Any]]:
     for choice in sorted(response.choices, key=lambda c: c.index):
         token_ids = _ints(getattr(choice, "token_ids", None))
         logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
-        fields = _response_fields(
+        fields = response_fields(
             text=choice.text or "",
             tool_calls=[],
             finish_reason=choice.finish_reason,
@@ -276,7 +276,7 @@ def parse_text_completion(response: Any) -> list[dict[str, Any]]:
     return results
 
 
-def _response_fields(
+def response_fields(
     *,
     text: str,
     tool_calls: list[dict[str, Any]],
@@ -285,6 +285,8 @@ def _response_fields(
     token_ids: list[int] | None,
     logprobs: list[float | None] | None,
 ) -> dict[str, Any]:
+    """The completion event's response fields of one completion (logprobs kept only when aligned with its
+    token ids); shared by the chat and text paths and the Responses API's (:mod:`flywheel.sdk.openai_responses`)."""
     return {
         "completion_text": text,
         "tool_calls": tool_calls,
@@ -377,7 +379,7 @@ class StreamAccumulator:
                 if c["id"] and c["name"]
             ]
             token_ids = state.token_ids if state.has_token_ids else None
-            fields = _response_fields(
+            fields = response_fields(
                 text="".join(state.text),
                 tool_calls=calls,
                 finish_reason=state.finish_reason,

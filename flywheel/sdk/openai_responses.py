@@ -27,7 +27,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flywheel.core.openai_fields import aligned_logprobs, given, normalize_message, sampling_params
+from flywheel.core.openai_fields import given, normalize_message, response_fields, sampling_params
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The ``include`` value that asks for the sampled tokens' logprobs."""
@@ -134,26 +134,6 @@ def request_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # -- response --------------------------------------------------------------------------------
-
-
-def response_fields(
-    *,
-    text: str,
-    tool_calls: list[dict[str, Any]],
-    finish_reason: str | None,
-    prompt_token_ids: list[int] | None,
-    token_ids: list[int] | None,
-    logprobs: list[float | None] | None,
-) -> dict[str, Any]:
-    """The completion event's response fields, as the chat path makes them (logprobs kept only when aligned)."""
-    return {
-        "completion_text": text,
-        "tool_calls": tool_calls,
-        "finish_reason": finish_reason,
-        "prompt_token_ids": prompt_token_ids,
-        "completion_token_ids": token_ids,
-        "logprobs": aligned_logprobs(token_ids, logprobs),
-    }
 
 
 def _raw_tokens(messages: Any) -> list[int] | None:
