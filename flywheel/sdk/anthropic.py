@@ -27,10 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from flywheel.core.openai_fields import given, sampling_params
+from flywheel.sdk._patch import AsyncStreamMixin, StreamMixin, adopt, replacing
 from flywheel.sdk.client import Flywheel, Scope
 
 if TYPE_CHECKING:
@@ -225,64 +226,8 @@ _STREAM_CLASSES: dict[type, type] = {}
 
 def _logged_stream(stream: Any, observer: _Observer) -> Any:
     """The same ``anthropic.Stream`` / ``AsyncStream`` (a subclass of its class), logging when it ends or closes."""
-    base = type(stream)
-    cls = _STREAM_CLASSES.get(base)
-    if cls is None:
-        cls = _STREAM_CLASSES[base] = type(
-            f"Logged{base.__name__}", (_AsyncStreamMixin if hasattr(base, "__anext__") else _StreamMixin, base), {}
-        )
-    logged = cls.__new__(cls)
-    logged.__dict__.update(stream.__dict__)
-    logged._fw_observer = observer
-    return logged
-
-
-class _StreamMixin:
-    _fw_observer: _Observer
-
-    def __next__(self) -> Any:
-        try:
-            event = super().__next__()  # type: ignore[misc]
-        except StopIteration:
-            self._fw_observer.finish(self)
-            raise
-        self._fw_observer.observe(event)
-        return event
-
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            try:
-                yield self.__next__()
-            except StopIteration:
-                return
-
-    def close(self) -> None:
-        self._fw_observer.finish(self)
-        super().close()  # type: ignore[misc]
-
-
-class _AsyncStreamMixin:
-    _fw_observer: _Observer
-
-    async def __anext__(self) -> Any:
-        try:
-            event = await super().__anext__()  # type: ignore[misc]
-        except StopAsyncIteration:
-            self._fw_observer.finish(self)
-            raise
-        self._fw_observer.observe(event)
-        return event
-
-    async def __aiter__(self) -> Any:
-        while True:
-            try:
-                yield await self.__anext__()
-            except StopAsyncIteration:
-                return
-
-    async def close(self) -> None:
-        self._fw_observer.finish(self)
-        await super().close()  # type: ignore[misc]
+    mixin = AsyncStreamMixin if hasattr(type(stream), "__anext__") else StreamMixin
+    return adopt(stream, mixin, _STREAM_CLASSES, _fw_observer=observer)
 
 
 def _begin(fw: Flywheel, kwargs: dict[str, Any]) -> _Call | None:
@@ -314,27 +259,22 @@ def _finish(call: _Call, result: Any) -> Any:
 
 
 def _create(fw: Flywheel, resource: Any, is_async: bool) -> Any:
+    """``resource.create`` (sync or async) logging its messages."""
     original = resource.create
-    if is_async:
 
-        async def acreate(*args: Any, **kwargs: Any) -> Any:
-            call = _begin(fw, kwargs)
-            if call is None:
-                return await original(*args, **kwargs)
-            return _finish(call, await original(*args, **kwargs))
+    def create(*args: Any, **kwargs: Any) -> Any:
+        call = _begin(fw, kwargs)
+        if call is None:
+            return original(*args, **kwargs)
+        return _finish(call, original(*args, **kwargs))
 
-        create = acreate
-    else:
+    async def acreate(*args: Any, **kwargs: Any) -> Any:
+        call = _begin(fw, kwargs)
+        if call is None:
+            return await original(*args, **kwargs)
+        return _finish(call, await original(*args, **kwargs))
 
-        def create(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-            call = _begin(fw, kwargs)
-            if call is None:
-                return original(*args, **kwargs)
-            return _finish(call, original(*args, **kwargs))
-
-    create.__wrapped__ = original  # type: ignore[attr-defined]
-    create.__doc__ = original.__doc__
-    return create
+    return replacing(original, acreate if is_async else create)
 
 
 class _LoggedManager:
@@ -392,18 +332,9 @@ def _stream(fw: Flywheel, resource: Any) -> Any:
         manager = original(*args, **kwargs)
         if call is None:
             return manager
-        base = type(manager)
-        cls = _MANAGER_CLASSES.get(base)
-        if cls is None:
-            cls = _MANAGER_CLASSES[base] = type(f"Logged{base.__name__}", (_LoggedManager, base), {})
-        logged = cls.__new__(cls)
-        logged.__dict__.update(manager.__dict__)
-        logged._fw_call, logged._fw_logged, logged._fw_stream = call, None, None
-        return logged
+        return adopt(manager, _LoggedManager, _MANAGER_CLASSES, _fw_call=call, _fw_logged=None, _fw_stream=None)
 
-    stream.__wrapped__ = original  # type: ignore[attr-defined]
-    stream.__doc__ = original.__doc__
-    return stream
+    return replacing(original, stream)
 
 
 def wrap_anthropic(client: C, fw: Flywheel) -> C:

@@ -47,7 +47,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -68,6 +68,7 @@ from flywheel.core.openai_fields import (
     sampling_params,
 )
 from flywheel.sdk import openai_responses
+from flywheel.sdk._patch import AsyncStreamMixin, StreamMixin, adopt, replacing
 from flywheel.sdk.client import Flywheel, Scope, current_scope
 
 log = logging.getLogger("flywheel.sdk")
@@ -416,7 +417,7 @@ class _Observer:
         _attach_ids(stream, self.ids)
 
 
-class LoggedStream(Stream):  # type: ignore[type-arg]
+class LoggedStream(StreamMixin, Stream):  # type: ignore[type-arg]
     """An ``openai.Stream`` that logs its completion when it ends; otherwise the same stream."""
 
     _fw_observer: _Observer
@@ -428,29 +429,8 @@ class LoggedStream(Stream):  # type: ignore[type-arg]
         logged._fw_observer = observer
         return logged
 
-    def __next__(self) -> Any:
-        while True:
-            try:
-                chunk = self._iterator.__next__()
-            except StopIteration:
-                self._fw_observer.finish(self)
-                raise
-            if self._fw_observer.observe(chunk):
-                return chunk
 
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            try:
-                yield self.__next__()
-            except StopIteration:
-                return
-
-    def close(self) -> None:
-        self._fw_observer.finish(self)
-        super().close()
-
-
-class LoggedAsyncStream(AsyncStream):  # type: ignore[type-arg]
+class LoggedAsyncStream(AsyncStreamMixin, AsyncStream):  # type: ignore[type-arg]
     """An ``openai.AsyncStream`` that logs its completion when it ends; otherwise the same stream."""
 
     _fw_observer: _Observer
@@ -461,27 +441,6 @@ class LoggedAsyncStream(AsyncStream):  # type: ignore[type-arg]
         logged.__dict__.update(stream.__dict__)
         logged._fw_observer = observer
         return logged
-
-    async def __anext__(self) -> Any:
-        while True:
-            try:
-                chunk = await self._iterator.__anext__()
-            except StopAsyncIteration:
-                self._fw_observer.finish(self)
-                raise
-            if self._fw_observer.observe(chunk):
-                return chunk
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while True:
-            try:
-                yield await self.__anext__()
-            except StopAsyncIteration:
-                return
-
-    async def close(self) -> None:
-        self._fw_observer.finish(self)
-        await super().close()
 
 
 # -- patching --------------------------------------------------------------------------------
@@ -555,7 +514,33 @@ def _finish(call: _Call, raw: Any, injected: bool, parse: Any) -> Any:
     return parse
 
 
-def _sync_create(fw: Flywheel, kind: CallKind, resource: Any, policy: TokenDataPolicy, name: str = "create") -> Any:
+class _Tries:
+    """The keyword arguments of each try of a logged call (its start time set as each begins): the
+    prepared ones, then again without the fields a refusal names (HTTP 400 or 422; each field at
+    most once, see :meth:`TokenDataPolicy.retry_kwargs`). The one retry loop of the sync and async ``create``."""
+
+    def __init__(self, fw: Flywheel, policy: TokenDataPolicy, call: _Call, given: Mapping[str, Any],
+                 prepared: dict[str, Any]):  # fmt: skip
+        self.fw, self.policy, self.call, self.given, self.kwargs = fw, policy, call, given, prepared
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            self.call.started = time.perf_counter()
+            yield self.kwargs
+
+    def refused(self, err: openai.APIStatusError) -> None:
+        """Take the next try's keyword arguments from the server's refusal ``err``; raise ``err`` when
+        there is nothing to take back."""
+        retry = self.policy.retry_kwargs(self.fw, err, self.given, self.kwargs)
+        if retry is None:
+            raise err
+        self.kwargs = retry
+
+
+def _create(
+    fw: Flywheel, kind: CallKind, resource: Any, policy: TokenDataPolicy, *, is_async: bool, name: str = "create"
+) -> Any:
+    """``resource.<name>`` (``create`` or ``parse``, sync or async) logging its completions."""
     original = getattr(resource, name)
     raw_create = getattr(resource.with_raw_response, name)
 
@@ -564,47 +549,30 @@ def _sync_create(fw: Flywheel, kind: CallKind, resource: Any, policy: TokenDataP
         if begun is None:
             return original(*args, **kwargs)
         call, call_kwargs, injected = begun
-        while True:  # again without a field the server refused (each field at most once)
-            call.started = time.perf_counter()
+        tries = _Tries(fw, policy, call, kwargs, call_kwargs)
+        for attempt in tries:
             try:
-                raw = raw_create(*args, **call_kwargs)
+                raw = raw_create(*args, **attempt)
                 break
             except openai.APIStatusError as err:
-                retry = policy.retry_kwargs(fw, err, kwargs, call_kwargs)
-                if retry is None:
-                    raise
-                call_kwargs = retry
+                tries.refused(err)
         return _finish(call, raw, injected, raw.parse())
 
-    create.__wrapped__ = original  # type: ignore[attr-defined]
-    create.__doc__ = original.__doc__
-    return create
-
-
-def _async_create(fw: Flywheel, kind: CallKind, resource: Any, policy: TokenDataPolicy, name: str = "create") -> Any:
-    original = getattr(resource, name)
-    raw_create = getattr(resource.with_raw_response, name)
-
-    async def create(*args: Any, **kwargs: Any) -> Any:
+    async def acreate(*args: Any, **kwargs: Any) -> Any:
         begun = _begin(fw, kind, kwargs, policy)
         if begun is None:
             return await original(*args, **kwargs)
         call, call_kwargs, injected = begun
-        while True:  # again without a field the server refused (each field at most once)
-            call.started = time.perf_counter()
+        tries = _Tries(fw, policy, call, kwargs, call_kwargs)
+        for attempt in tries:
             try:
-                raw = await raw_create(*args, **call_kwargs)
+                raw = await raw_create(*args, **attempt)
                 break
             except openai.APIStatusError as err:
-                retry = policy.retry_kwargs(fw, err, kwargs, call_kwargs)
-                if retry is None:
-                    raise
-                call_kwargs = retry
+                tries.refused(err)
         return _finish(call, raw, injected, raw.parse())
 
-    create.__wrapped__ = original  # type: ignore[attr-defined]
-    create.__doc__ = original.__doc__
-    return create
+    return replacing(original, acreate if is_async else create)
 
 
 class _LoggedManager:
@@ -659,14 +627,7 @@ _MANAGER_CLASSES: dict[type, type] = {}
 
 def _adopt_manager(manager: Any, scope: Scope | None) -> Any:
     """The same context manager (same class, plus :class:`_LoggedManager`), bound to ``scope``."""
-    base = type(manager)
-    cls = _MANAGER_CLASSES.get(base)
-    if cls is None:
-        cls = _MANAGER_CLASSES[base] = type(f"Logged{base.__name__}", (_LoggedManager, base), {})
-    logged = cls.__new__(cls)
-    logged.__dict__.update(manager.__dict__)
-    logged._fw_scope, logged._fw_sink, logged._fw_stream = scope, [], None
-    return logged
+    return adopt(manager, _LoggedManager, _MANAGER_CLASSES, _fw_scope=scope, _fw_sink=[], _fw_stream=None)
 
 
 def _stream_helper(fw: Flywheel, resource: Any) -> Any:
@@ -683,9 +644,7 @@ def _stream_helper(fw: Flywheel, resource: Any) -> Any:
             log.error("flywheel: could not observe a .stream() helper: %r", err, exc_info=err)
             return manager
 
-    stream.__wrapped__ = original  # type: ignore[attr-defined]
-    stream.__doc__ = original.__doc__
-    return stream
+    return replacing(original, stream)
 
 
 def token_data_policy(client: Any) -> TokenDataPolicy | None:
@@ -707,9 +666,8 @@ def wrap(client: C, fw: Flywheel, *, request_token_data: RequestTokenData = "aut
     if not is_async and not isinstance(client, openai.OpenAI):
         raise TypeError(f"expected an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}")
     policy = TokenDataPolicy(request_token_data, client.base_url)
-    make = _async_create if is_async else _sync_create
     text_resource = client.completions
-    text_resource.create = make(fw, "text", text_resource, policy)
+    text_resource.create = _create(fw, "text", text_resource, policy, is_async=is_async)
     beta_chat = getattr(getattr(client, "beta", None), "chat", None)  # the helpers' home in openai < 1.92
     resources: list[tuple[CallKind, Any]] = [("chat", client.chat.completions)]
     beta_completions = getattr(beta_chat, "completions", None)
@@ -721,7 +679,7 @@ def wrap(client: C, fw: Flywheel, *, request_token_data: RequestTokenData = "aut
         raw = getattr(resource, "with_raw_response", None)
         for name in ("create", "parse"):
             if callable(getattr(resource, name, None)) and callable(getattr(raw, name, None)):
-                setattr(resource, name, make(fw, kind, resource, policy, name))
+                setattr(resource, name, _create(fw, kind, resource, policy, is_async=is_async, name=name))
         if callable(getattr(resource, "stream", None)):
             resource.stream = _stream_helper(fw, resource)
     setattr(client, POLICY_ATTRIBUTE, policy)
