@@ -94,6 +94,16 @@ def _span_ref(span_id: str | None, role: str | None) -> SpanRef:
     return SpanRef(**fields)
 
 
+def choices(n: Any) -> int | None:
+    """The number of choices a request's ``n`` asks for (1 when absent; ``true`` is 1, as vLLM reads it), or
+    ``None`` for anything but a whole number from 1 to :data:`MAX_CHOICES`."""
+    if n is None:
+        return 1
+    if isinstance(n, int) and 1 <= n <= MAX_CHOICES:
+        return int(n)
+    return None
+
+
 class Capture:
     """One proxied request being captured: what was asked, what the client wanted back, the answer so far."""
 
@@ -104,14 +114,15 @@ class Capture:
         project: str,
         session_id: str | None,
         span: tuple[str | None, str | None] = (None, None),
+        n: int = 1,
     ):
+        """``n``: the request's number of choices, as :meth:`begin` read it (:func:`choices`)."""
         self.kind = kind
         self.project = project
         self.started = time.monotonic()
         self.request = request_fields(kind, payload)
         self.request.pop("prompt_texts", None)  # a batch of text prompts: only the choices' own prompts are kept
-        n = payload.get("n")
-        self.n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
+        self.n = n
         self.ids = [uuid7() for _ in range(self.n)]
         self.session_id = as_name(session_id) or f"router-{self.ids[0]}"
         self.span = _span_ref(*span)
@@ -141,10 +152,10 @@ class Capture:
         prompt = payload.get("prompt")
         if kind == "text" and not isinstance(prompt, str):
             return None  # token-id prompts or a batch: no text to record against each choice
-        n = payload.get("n")
-        if n is not None and not (isinstance(n, int) and 1 <= n <= MAX_CHOICES):
+        n = choices(payload.get("n"))
+        if n is None:
             return None
-        capture = cls(kind, payload, project, session_id, span)
+        capture = cls(kind, payload, project, session_id, span, n)
         payload["return_token_ids"] = True
         if not capture.keep_logprobs:
             if kind == "chat":

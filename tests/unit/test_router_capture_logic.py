@@ -11,7 +11,7 @@ import pytest
 
 from flywheel.core.contracts.events import parse_event
 from flywheel.core.settings import Settings
-from serving.proxy.capture import Capture, CaptureSink, completion_ids
+from serving.proxy.capture import MAX_CHOICES, Capture, CaptureSink, choices, completion_ids
 
 
 def chat_answer(with_token_data: bool = True) -> dict[str, Any]:
@@ -52,6 +52,18 @@ def test_what_cannot_be_one_event_per_choice_is_not_captured(payload: dict[str, 
     original = dict(payload)
     assert Capture.begin("/v1/completions", payload, "shop", None) is None
     assert payload == original  # nothing asked of vLLM on its behalf
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [(None, 1), (True, 1), (3, 3), (MAX_CHOICES, MAX_CHOICES), (False, None), (0, None), (MAX_CHOICES + 1, None),
+     (2.0, None), ("2", None)],
+)  # fmt: skip
+def test_the_number_of_choices_is_read_once_by_begin(n: Any, expected: int | None) -> None:
+    assert choices(n) == expected
+    payload: dict[str, Any] = {"model": "m", "prompt": "a"} if n is None else {"model": "m", "prompt": "a", "n": n}
+    capture = Capture.begin("/v1/completions", payload, "shop", None)
+    assert (capture is None) if expected is None else (capture is not None and len(capture.ids) == expected)
 
 
 def test_a_whole_answer_loses_what_the_client_did_not_ask_for_and_keeps_it_in_the_event() -> None:
