@@ -28,8 +28,19 @@ def given(value: Any) -> bool:
     return value is not None and type(value).__name__ not in _UNSET_TYPES
 
 
+RESPONSE_FIELDS = frozenset({
+    "choices", "index", "finish_reason", "message", "delta", "text", "content", "tool_calls", "id", "function",
+    "custom", "name", "arguments", "input", "logprobs", "logprob", "token_logprobs", "model", "usage",
+    "prompt_token_ids", "token_ids",
+})  # fmt: skip
+"""The fields of OpenAI's (and vLLM's) chat and text completions and chunks this module reads: a JSON
+object wrapped by :func:`as_object` reads one it lacks as ``None``, as the openai types do."""
+
+
 class _Fields:
-    """Attribute access over a JSON object (missing keys read as ``None``), as the openai types give."""
+    """Attribute access over a JSON object, as the openai types give: its keys, and any of
+    :data:`RESPONSE_FIELDS` it lacks as ``None``; any other name (or one starting with ``_``) raises
+    :class:`AttributeError`."""
 
     __slots__ = ("_data",)
 
@@ -37,7 +48,13 @@ class _Fields:
         self._data = data
 
     def __getattr__(self, name: str) -> Any:
-        return as_object(self._data.get(name))
+        if name.startswith("_"):  # private and special names (copy's, pickle's probes) are never fields
+            raise AttributeError(name)
+        if name in self._data:
+            return as_object(self._data[name])
+        if name in RESPONSE_FIELDS:
+            return None
+        raise AttributeError(f"{type(self).__name__} object has no field {name!r}")
 
 
 def as_object(value: Any) -> Any:
