@@ -1,11 +1,12 @@
 """How the client wrappers patch a client in place, shared by :mod:`flywheel.sdk.openai` and
 :mod:`flywheel.sdk.anthropic` (imports neither client library): methods replaced, objects given a
-logging subclass of their class, streams that report each item and their end."""
+logging subclass of their class, streams that report each item and their end, ``.stream()`` helpers'
+context managers that finish when their block ends."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,12 +32,22 @@ def adopt(obj: Any, mixin: type, classes: dict[type, type], **attrs: Any) -> Any
     return adopted
 
 
-class StreamMixin:
+class _Observed:
+    _fw_observer: Any
+
+    @classmethod
+    def adopt(cls, stream: Any, observer: Any) -> Self:
+        """``stream`` as an instance of this class (its attributes copied), reporting to ``observer``."""
+        adopted = cls.__new__(cls)
+        adopted.__dict__.update(stream.__dict__)
+        adopted._fw_observer = observer
+        return adopted
+
+
+class StreamMixin(_Observed):
     """Mixed in before a client library's ``Stream`` (whose ``__next__`` gives the next item): each item
     goes to ``_fw_observer.observe`` (``False``: hidden from the caller), and ``_fw_observer.finish(stream)``
     runs when the stream ends or is closed."""
-
-    _fw_observer: Any
 
     def __next__(self) -> Any:
         while True:
@@ -60,10 +71,8 @@ class StreamMixin:
         super().close()  # type: ignore[misc]
 
 
-class AsyncStreamMixin:
+class AsyncStreamMixin(_Observed):
     """:class:`StreamMixin` for a client library's ``AsyncStream``."""
-
-    _fw_observer: Any
 
     async def __anext__(self) -> Any:
         while True:
@@ -85,3 +94,23 @@ class AsyncStreamMixin:
     async def close(self) -> None:
         self._fw_observer.finish(self)
         await super().close()  # type: ignore[misc]
+
+
+class ManagerMixin:
+    """Mixed in before a ``.stream()`` helper's context manager: ``_fw_done()`` runs when its block ends,
+    after the manager's own exit (the wrapper's subclass says what entering does and what is done)."""
+
+    def _fw_done(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            self._fw_done()
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        try:
+            return await super().__aexit__(*exc)  # type: ignore[misc]
+        finally:
+            self._fw_done()

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from flywheel.core.openai_fields import given, sampling_params
-from flywheel.sdk._patch import AsyncStreamMixin, StreamMixin, adopt, replacing
+from flywheel.sdk._patch import AsyncStreamMixin, ManagerMixin, StreamMixin, adopt, replacing
 from flywheel.sdk.client import Flywheel, Scope
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ def _create(fw: Flywheel, resource: Any, is_async: bool) -> Any:
     return replacing(original, acreate if is_async else create)
 
 
-class _LoggedManager:
+class _LoggedManager(ManagerMixin):
     """Mixed into ``messages.stream(...)``'s context manager: the stream it opens is logged when it
     ends, or with what was received when the block ends."""
 
@@ -304,21 +304,9 @@ class _LoggedManager:
         self._fw_open()
         return self._fw_adopt(super().__enter__())  # type: ignore[misc]
 
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return super().__exit__(*exc)  # type: ignore[misc]
-        finally:
-            self._fw_done()
-
     async def __aenter__(self) -> Any:
         self._fw_open()
         return self._fw_adopt(await super().__aenter__())  # type: ignore[misc]
-
-    async def __aexit__(self, *exc: Any) -> Any:
-        try:
-            return await super().__aexit__(*exc)  # type: ignore[misc]
-        finally:
-            self._fw_done()
 
 
 _MANAGER_CLASSES: dict[type, type] = {}

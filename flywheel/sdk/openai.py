@@ -68,7 +68,7 @@ from flywheel.core.openai_fields import (
     sampling_params,
 )
 from flywheel.sdk import openai_responses
-from flywheel.sdk._patch import AsyncStreamMixin, StreamMixin, adopt, replacing
+from flywheel.sdk._patch import AsyncStreamMixin, ManagerMixin, StreamMixin, adopt, replacing
 from flywheel.sdk.client import Flywheel, Scope, current_scope
 
 log = logging.getLogger("flywheel.sdk")
@@ -422,25 +422,11 @@ class LoggedStream(StreamMixin, Stream):  # type: ignore[type-arg]
 
     _fw_observer: _Observer
 
-    @classmethod
-    def adopt(cls, stream: Stream[Any], observer: _Observer) -> LoggedStream:
-        logged = cls.__new__(cls)
-        logged.__dict__.update(stream.__dict__)
-        logged._fw_observer = observer
-        return logged
-
 
 class LoggedAsyncStream(AsyncStreamMixin, AsyncStream):  # type: ignore[type-arg]
     """An ``openai.AsyncStream`` that logs its completion when it ends; otherwise the same stream."""
 
     _fw_observer: _Observer
-
-    @classmethod
-    def adopt(cls, stream: AsyncStream[Any], observer: _Observer) -> LoggedAsyncStream:
-        logged = cls.__new__(cls)
-        logged.__dict__.update(stream.__dict__)
-        logged._fw_observer = observer
-        return logged
 
 
 # -- patching --------------------------------------------------------------------------------
@@ -575,7 +561,7 @@ def _create(
     return replacing(original, acreate if is_async else create)
 
 
-class _LoggedManager:
+class _LoggedManager(ManagerMixin):
     """Mixed into a ``.stream()`` helper's context manager: its request is made with the helper's
     ``session=`` and, when the block ends, the completion is logged (with what was received, if the
     stream was left early) and its ids are attached to the helper's stream."""
@@ -601,12 +587,6 @@ class _LoggedManager:
             _BOUND.reset(token)
         return self._fw_stream
 
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return super().__exit__(*exc)  # type: ignore[misc]
-        finally:
-            self._fw_done()
-
     async def __aenter__(self) -> Any:
         token = self._fw_bind()
         try:
@@ -614,12 +594,6 @@ class _LoggedManager:
         finally:
             _BOUND.reset(token)
         return self._fw_stream
-
-    async def __aexit__(self, *exc: Any) -> Any:
-        try:
-            return await super().__aexit__(*exc)  # type: ignore[misc]
-        finally:
-            self._fw_done()
 
 
 _MANAGER_CLASSES: dict[type, type] = {}
