@@ -21,6 +21,7 @@ operation it runs in the background (the operation checks again under the lock).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,6 +66,8 @@ __all__ = [
 ]
 
 UNUSABLE_STATUSES = ("rejected", "deleted")
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- audit
@@ -671,8 +674,10 @@ def reconcile(
     A replica restarted by its supervisor comes back with the base weights (and version):
     it is swapped, one replica at a time, to its active deployment's checkpoint (else the
     stable's). A replica left paused by a crashed swap is resumed first; one that does not
-    answer ``/health`` is marked ``failed``. Holds the fleet lock (``conflict`` when taken);
-    writes an audit row only when it changed something.
+    answer ``/health`` is marked ``failed``. A deployment still ``pending`` (an operation's
+    process stopped mid-way: no operation runs while the lock is free) ends ``failed`` first,
+    and its replicas go back to what they should serve. Holds the fleet lock (``conflict``
+    when taken); writes an audit row only when it changed something.
     """
     fleet = settings.serving.fleet
     swaps: list[SwapResult] = []
@@ -681,6 +686,7 @@ def reconcile(
         if not held:
             raise DeployError("conflict", f"another deployment operation is running on fleet {fleet!r}")
         before = _snapshot(engine, fleet)
+        orphans = _end_orphaned(engine, fleet, actor)
         with Session(engine, expire_on_commit=False) as session:
             stable = active_deployment(session, fleet, "stable")
             if stable is None:
@@ -701,13 +707,29 @@ def reconcile(
                 swaps.append(
                     swap_replica(engine, settings, replica.url, checkpoint.id, desired.id, verify=verify, actor=actor)
                 )
-        if swaps or marked:
-            record = _Audit(
-                actor, "deploy.reconcile", f"fleet:{fleet}", {"swaps": [s.to_dict() for s in swaps], "marked": marked}
-            )
+        if swaps or marked or orphans:
+            details = {"swaps": [s.to_dict() for s in swaps], "marked": marked, "ended": orphans}
+            record = _Audit(actor, "deploy.reconcile", f"fleet:{fleet}", details)
             record.before, record.after = before, _snapshot(engine, fleet)
             _write_audit(engine, record, success=all(s.ok for s in swaps))
     return swaps
+
+
+def _end_orphaned(engine: Engine, fleet: str, actor: str) -> list[dict[str, Any]]:
+    """End the fleet's ``pending`` deployments (``failed``): called with the fleet lock held, so no operation
+    is running, and every operation finishes its pending row before it lets the lock go. A pending row now
+    was left by an operation whose process stopped mid-way; its replicas return to the stable after it."""
+    ended: list[dict[str, Any]] = []
+    with Session(engine) as session:
+        query = select(Deployment).where(Deployment.fleet == fleet, Deployment.status == "pending")
+        for row in session.scalars(query.order_by(Deployment.id)):
+            reason = f"left pending by an operation that stopped mid-way (its process ended); ended by {actor}"
+            row.status, row.reason = "failed", reason
+            row.ended_at = row.updated_at = func.now()
+            ended.append({"id": row.id, "checkpoint_id": row.checkpoint_id, "role": row.role, "status": "failed"})
+            log.warning("fleet %s: deployment %d (%s %s) %s", fleet, row.id, row.role, row.checkpoint_id, reason)
+        session.commit()
+    return ended
 
 
 def _needs_swap(settings: Settings, replica: Replica, desired: Deployment, checkpoint: Checkpoint) -> bool:

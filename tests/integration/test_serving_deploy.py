@@ -231,3 +231,26 @@ def test_reconcile_marks_unreachable_replicas_failed(engine, settings, fleet, de
     assert audit.action == "deploy.reconcile" and len(audit.details["marked"]) == 2
     assert reconcile(engine, settings) == []  # already failed: nothing new, no audit row
     assert last_audit(engine).id == audit.id
+
+
+def test_reconcile_ends_a_deployment_an_operation_left_pending_but_not_one_running(engine, settings, fleet):
+    """A pending row with the fleet lock free was left by a process that stopped mid-operation: it ends
+    failed (the fleet status stops showing a canary being deployed). Under the lock it is left alone."""
+    with Session(engine) as session:
+        orphan = Deployment(fleet=FLEET, checkpoint_id="good", role="canary", weight=0.1, status="pending")
+        session.add(orphan)
+        session.commit()
+        orphan_id = orphan.id
+    assert fleet_status(engine, FLEET).canary.id == orphan_id
+    with fleet_lock(engine, FLEET), pytest.raises(DeployError, match="another deployment operation"):
+        reconcile(engine, settings)
+    assert ("canary", "good", "pending") in deployments(engine)
+    reconcile(engine, settings)
+    with Session(engine) as session:
+        row = session.get(Deployment, orphan_id)
+        assert row.status == "failed" and "left pending by an operation that stopped" in row.reason
+        assert row.ended_at is not None
+    assert fleet_status(engine, FLEET).canary is None
+    audit = last_audit(engine)
+    assert audit.action == "deploy.reconcile"
+    assert audit.details["ended"] == [{"id": orphan_id, "checkpoint_id": "good", "role": "canary", "status": "failed"}]
