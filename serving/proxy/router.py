@@ -395,7 +395,9 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # a failed refresh keeps the last table; logged, counted, retried next tick
-                self.last_refresh_error = f"{type(err).__name__}: {err}"
+                # Clients read this (/ready, 503s): the error's kind only. Its text (a database error names
+                # the database's host, port and user) goes to the router's log.
+                self.last_refresh_error = f"{step.__name__} failed with {type(err).__name__}; the router's log has why"
                 self.metrics.failures.labels("router", step.__name__).inc()
                 log.warning("router: %s failed: %r", step.__name__, err)
 
