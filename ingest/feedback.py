@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -38,7 +39,8 @@ from flywheel.core.contracts.events import SCHEMA_VERSION, ContractError, Feedba
 from flywheel.core.contracts.topics import events_topic
 from flywheel.core.db.engine import session_factory
 from flywheel.core.db.models import ApiKey
-from flywheel.core.settings import Settings
+from flywheel.core.ratelimit import KeyedBuckets
+from flywheel.core.settings import IngestSettings, Settings
 from ingest import metrics
 
 log = logging.getLogger(__name__)
@@ -133,8 +135,8 @@ class SigningKeys:
 class FeedbackError(HTTPException):
     """A refusal of a feedback request; ``field`` names the body field at fault, if one is."""
 
-    def __init__(self, status: int, detail: str, field: str | None = None):
-        super().__init__(status, detail)
+    def __init__(self, status: int, detail: str, field: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(status, detail, headers=headers)
         self.field = field
 
 
@@ -233,6 +235,36 @@ def build_event(grant: feedback_tokens.FeedbackGrant, data: dict[str, Any], now:
     return event
 
 
+class FeedbackLimits:
+    """Token buckets of ``POST /v1/feedback`` in one gateway process: one per feedback token
+    (``ingest.feedback_token_rate_per_s`` / ``feedback_token_burst``) and one per signing write key
+    (``ingest.feedback_key_rate_per_s`` / ``feedback_key_burst``). Checked after the token is verified,
+    so a forged token takes no one's budget."""
+
+    MAX_TOKENS = 100_000
+    """Feedback tokens remembered at most (least recently used forgotten: it starts with a full bucket)."""
+
+    def __init__(self, cfg: IngestSettings):
+        self.per_token = KeyedBuckets(cfg.feedback_token_rate_per_s, cfg.feedback_token_burst, self.MAX_TOKENS)
+        self.per_key = KeyedBuckets(cfg.feedback_key_rate_per_s, cfg.feedback_key_burst, self.MAX_TOKENS)
+
+    def admit(self, token: str, key_hash: str, now: float) -> None:
+        """Take from both buckets, or raise 429 naming the limit and the wait (``Retry-After``)."""
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        for buckets, what, setting in (
+            (self.per_token, "this feedback token", "ingest.feedback_token_rate_per_s"),
+            (self.per_key, "the write key that signed this token", "ingest.feedback_key_rate_per_s"),
+        ):
+            wait_s = buckets.take(digest if buckets is self.per_token else key_hash, now)
+            if wait_s > 0:
+                raise FeedbackError(
+                    429,
+                    f"rate limit of {what} exceeded: {buckets.rate_per_s:g} requests/s, burst {buckets.burst} "
+                    f"({setting}); retry in {wait_s:.2f} s",
+                    headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+                )
+
+
 def too_large(declared: str | None, limit: int) -> FeedbackError:
     """The 413 of a body over the feedback route's ``limit``: ``declared`` is its Content-Length, ``None``
     when the streamed body ran past it."""
@@ -264,6 +296,7 @@ def register(
     topic = events_topic(settings.kafka.topic_prefix)
     body_limit = min(MAX_BODY_BYTES, settings.ingest.max_body_bytes)
     app.state.feedback_keys = keys
+    limits = FeedbackLimits(settings.ingest)
 
     @app.options(PATH, include_in_schema=False)
     def preflight(request: Request) -> Response:
@@ -299,6 +332,7 @@ def register(
             413: {"description": "Body over 64 KiB."},
             415: {"description": "Not application/json."},
             422: {"description": "A field is wrong; `field` names it."},
+            429: {"description": "The token's or its write key's rate limit; retry after Retry-After seconds."},
             503: {"description": "Kafka did not acknowledge; retry (the same request is the same event)."},
         },
         openapi_extra={"requestBody": REQUEST_BODY},
@@ -316,7 +350,8 @@ def register(
             if media != "application/json":
                 raise FeedbackError(415, f"content-type must be application/json (got {media or 'none'})")
             data = decode_body(await read_body(request, body_limit, too_large, check_length=False))
-            grant, _ = await run_in_threadpool(authorize, keys, data["token"])
+            grant, key_hash = await run_in_threadpool(authorize, keys, data["token"])
+            limits.admit(data["token"], key_hash, time.monotonic())
             event = build_event(grant, data)
             await run_in_threadpool(produce, producer(), topic, [event])
         except HTTPException as exc:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from flywheel.core.auth import KeyInfo, bearer_token, hash_token
+from flywheel.core.ratelimit import TokenBucket
 
 
 class AccessDenied(Exception):
@@ -63,31 +63,6 @@ def check_key(authorization: str | None, keys: Mapping[str, KeyInfo], projects: 
             "wrong_project",
         )
     return info
-
-
-@dataclass
-class TokenBucket:
-    """``burst`` tokens at most, refilled at ``rate_per_s``; a request takes one."""
-
-    rate_per_s: float
-    burst: int
-    tokens: float
-    updated: float
-    """Monotonic time of the last refill."""
-
-    @classmethod
-    def full(cls, rate_per_s: float, burst: int, now: float) -> TokenBucket:
-        """A bucket with all its tokens."""
-        return cls(rate_per_s, burst, float(burst), now)
-
-    def take(self, now: float) -> float:
-        """Take a token: 0.0 when granted, else the seconds until one is there (nothing taken)."""
-        self.tokens = min(float(self.burst), self.tokens + max(0.0, now - self.updated) * self.rate_per_s)
-        self.updated = max(self.updated, now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate_per_s
 
 
 class RateLimiter:

@@ -248,3 +248,28 @@ def test_a_revoked_keys_tokens_are_refused(stack):
     bad = httpx.post(f"{stack.gateway}/v1/feedback", json={"token": forged, "kind": "accept"}, timeout=30)
     assert bad.status_code == 401 and "signature" in bad.json()["detail"]
     assert [r["kind"] for r in wait_for_rows(stack.conninfo, stack.project, session_id, 1)] == ["accept"]
+
+
+def test_a_token_past_its_rate_limit_gets_429_and_another_token_is_not_held_up(stack):
+    """Per feedback token: ``ingest.feedback_token_burst`` (20) at once, then 1/s; what was accepted lands once."""
+    flood, calm = f"flood-{uuid.uuid4().hex[:8]}", f"calm-{uuid.uuid4().hex[:8]}"
+    token = stack.fw.feedback_token(flood)
+    accepted, started = 0, time.monotonic()
+    with httpx.Client(timeout=30) as client:
+        for i in range(200):
+            answer = client.post(f"{stack.gateway}/v1/feedback", json={"token": token, "kind": "accept", "id": f"c{i}"})
+            if answer.status_code == 429:
+                break
+            assert answer.status_code == 202, answer.text
+            accepted += 1
+        elapsed = time.monotonic() - started
+        assert answer.status_code == 429, "no request was refused"
+        assert int(answer.headers["retry-after"]) >= 1
+        detail = answer.json()["detail"]
+        assert "rate limit of this feedback token exceeded: 1 requests/s, burst 20" in detail, detail
+        assert 20 <= accepted <= 20 + elapsed + 1, (accepted, elapsed)
+        other = client.post(
+            f"{stack.gateway}/v1/feedback", json={"token": stack.fw.feedback_token(calm), "kind": "accept"}
+        )
+        assert other.status_code == 202, other.text
+    assert len(wait_for_rows(stack.conninfo, stack.project, flood, accepted)) == accepted

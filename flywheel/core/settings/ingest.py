@@ -97,6 +97,17 @@ class IngestSettings(BaseModel):
     post browser feedback to the gateway's ``POST /v1/feedback`` with a feedback token. Empty: none (a
     backend may still post it; a browser request from any origin is refused). Only that route is cross-origin."""
 
+    feedback_token_rate_per_s: float = Field(1.0, gt=0, le=10_000)
+    """Feedback requests per second one feedback token may send through one gateway process (a token bucket
+    per token: a leaked token cannot flood a session with feedback); 429 with Retry-After beyond."""
+    feedback_token_burst: int = Field(20, ge=1, le=100_000)
+    """Feedback requests one feedback token may send at once."""
+    feedback_key_rate_per_s: float = Field(200.0, gt=0, le=1_000_000)
+    """Feedback requests per second all the tokens signed by one write key may send through one gateway
+    process together (a bucket per signing key: minting many tokens does not lift the cap)."""
+    feedback_key_burst: int = Field(400, ge=1, le=1_000_000)
+    """Feedback requests the tokens of one write key may send at once."""
+
     @field_validator("feedback_cors_origins")
     @classmethod
     def _origins(cls, origins: list[str]) -> list[str]:
