@@ -491,6 +491,16 @@ def logged_completions(fw: Any, count: int, timeout: float = 10.0) -> list[Any]:
         time.sleep(0.05)
 
 
+def completions_by_id(fw: Any) -> dict[Any, Any]:
+    """The completion events ``fw``'s in-memory transport got, by completion id, once all it
+    logged is delivered and none of it failed or was invalid."""
+    from flywheel.core.contracts import Completion
+
+    assert fw.flush(10), fw.stats
+    assert fw.stats.errors == 0 and fw.stats.invalid == 0
+    return {e.completion_id: e for e in fw.transport.events() if isinstance(e, Completion)}
+
+
 # --------------------------------------------------------------------------- browser
 
 CHROMIUM = Path(os.environ.get("FLYWHEEL_CHROMIUM", "/usr/bin/chromium"))

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import completions_by_id
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flywheel.core.contracts import Completion
 from flywheel.sdk import Flywheel
 from flywheel.sdk.anthropic import completion_ids, wrap_anthropic
-from flywheel.sdk.transports.memory import MemoryTransport
 
 anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.integration
@@ -114,16 +113,8 @@ def messages_app(seen: list[dict[str, Any]]) -> FastAPI:
 
 
 @pytest.fixture
-def fw(tmp_path: Path) -> Any:
-    client = Flywheel(project="anthropic-test", transport=MemoryTransport(), spool_dir=tmp_path / "spool")
-    yield client
-    client.close(2)
-
-
-def logged(fw: Flywheel) -> dict[Any, Completion]:
-    assert fw.flush(10), fw.stats
-    assert fw.stats.errors == 0 and fw.stats.invalid == 0
-    return {e.completion_id: e for e in fw.transport.events() if isinstance(e, Completion)}
+def fw(memory_flywheel: Callable[[str], Flywheel]) -> Flywheel:
+    return memory_flywheel("anthropic-test")
 
 
 def test_messages_create_whole_and_streamed(serve_app, fw: Flywheel) -> None:
@@ -140,7 +131,7 @@ def test_messages_create_whole_and_streamed(serve_app, fw: Flywheel) -> None:
     assert [e.type for e in events] == [e["type"] for e in sse("claude-test") if e["type"] != "ping"]  # as unwrapped
     assert completion_ids(outside) == [] and len(seen) == 3
     assert "session" not in seen[0] and seen[0]["temperature"] == 0.5
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert len(by_id) == 2 and {e.session_id for e in by_id.values()} == {s.session_id}
     first = by_id[completion_ids(whole)[0]]
     assert [(m.role, m.content, m.tool_call_id) for m in first.prompt_messages] == [
@@ -172,7 +163,7 @@ def test_messages_stream_helper_whole_and_left_early(serve_app, fw: Flywheel) ->
                 if event.type == "text":
                     break  # left after the first text: what was received is logged
     assert final.content[0].text == "Let me check."
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert len(by_id) == 2
     done = by_id[completion_ids(whole)[0]]
     assert done.completion_text == "Let me check." and done.finish_reason == "tool_calls" and done.tool_calls
@@ -196,7 +187,7 @@ def test_async_client(serve_app, fw: Flywheel) -> None:
                 return whole, stream, helper
 
         whole, stream, helper = asyncio.run(calls())
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert len(by_id) == 3
     for response in (whole, stream, helper):
         event = by_id[completion_ids(response)[0]]

@@ -11,16 +11,16 @@ and logprobs, streamed or not, through ``responses.create``, ``responses.stream`
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
+from conftest import completions_by_id
 
 from flywheel.core.contracts import Completion
 from flywheel.sdk import Flywheel
 from flywheel.sdk.openai import completion_ids, wrap
-from flywheel.sdk.transports.memory import MemoryTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -28,16 +28,8 @@ INPUT = [{"role": "user", "content": "3+4="}]
 
 
 @pytest.fixture
-def fw(tmp_path: Path) -> Any:
-    client = Flywheel(project="openai-responses", transport=MemoryTransport(), spool_dir=tmp_path / "spool")
-    yield client
-    client.close(2)
-
-
-def logged(fw: Flywheel) -> dict[Any, Completion]:
-    assert fw.flush(10), fw.stats
-    assert fw.stats.errors == 0 and fw.stats.invalid == 0
-    return {e.completion_id: e for e in fw.transport.events() if isinstance(e, Completion)}
+def fw(memory_flywheel: Callable[[str], Flywheel]) -> Flywheel:
+    return memory_flywheel("openai-responses")
 
 
 def assert_token_data(event: Completion, *, streamed_response: bool = False) -> None:
@@ -59,7 +51,7 @@ def test_responses_create_whole_and_streamed(vllm_replica, fw: Flywheel) -> None
     assert isinstance(whole, openai.types.responses.Response) and whole.output_text
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].type in ("response.completed", "response.incomplete")
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert len(by_id) == 2 and {e.session_id for e in by_id.values()} == {s.session_id}
     first = by_id[completion_ids(whole)[0]]
     assert [(m.role, m.content) for m in first.prompt_messages] == [("system", "be short"), ("user", "3+4=")]
@@ -80,7 +72,7 @@ def test_responses_stream_and_parse_helpers(vllm_replica, fw: Flywheel) -> None:
             final = helper.get_final_response()
         parsed = client.responses.parse(model=vllm_replica.model, input=INPUT, max_output_tokens=8)
     assert isinstance(parsed, openai.types.responses.ParsedResponse)
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert len(by_id) == 2
     streamed = by_id[completion_ids(helper)[0]]
     assert streamed.completion_text == final.output_text
@@ -107,7 +99,7 @@ def test_chat_parse_and_stream_helpers(vllm_replica, fw: Flywheel) -> None:
         model=vllm_replica.model, messages=INPUT, max_tokens=8, session=resumed
     ) as early:
         first = next(e for e in early if e.type == "content.delta")  # left early: what was received is logged
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert len(by_id) == 3
     event = by_id[completion_ids(parsed)[0]]
     assert event.completion_text == parsed.choices[0].message.content and event.session_id == s.session_id
@@ -130,7 +122,7 @@ def test_async_responses_stream_helper_and_create(vllm_replica, fw: Flywheel) ->
             return whole, st, final
 
     whole, helper, final = asyncio.run(calls())
-    by_id = logged(fw)
+    by_id = completions_by_id(fw)
     assert by_id[completion_ids(whole)[0]].completion_text == whole.output_text
     streamed = by_id[completion_ids(helper)[0]]
     assert streamed.completion_text == final.output_text

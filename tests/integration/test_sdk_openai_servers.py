@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from flywheel.core.contracts import Completion
 from flywheel.sdk import Flywheel
 from flywheel.sdk.openai import completion_ids, token_data_policy, wrap
-from flywheel.sdk.transports.memory import MemoryTransport
 
 pytestmark = pytest.mark.integration
 
@@ -119,10 +118,8 @@ def openai_like_app(seen: list[dict[str, Any]]) -> FastAPI:
 
 
 @pytest.fixture
-def fw(tmp_path: Path) -> Any:
-    client = Flywheel(project="openai-servers", transport=MemoryTransport(), spool_dir=tmp_path / "spool")
-    yield client
-    client.close(2)
+def fw(memory_flywheel: Callable[[str], Flywheel]) -> Flywheel:
+    return memory_flywheel("openai-servers")
 
 
 def completions(fw: Flywheel) -> list[Completion]:
