@@ -501,6 +501,77 @@ def completions_by_id(fw: Any) -> dict[Any, Any]:
     return {e.completion_id: e for e in fw.transport.events() if isinstance(e, Completion)}
 
 
+# --------------------------------------------------------------------------- router
+
+
+@dataclass
+class RunningRouter:
+    """A router started by :func:`running_router`."""
+
+    url: str
+    router: Any
+    """The app's :class:`serving.proxy.router.Router` (to read its state)."""
+    settings: Settings
+    """The settings it runs with."""
+    version: str
+    """The replica's weight version: the stable checkpoint's id and policy version."""
+    replica_id: int
+
+
+@contextmanager
+def running_router(
+    engine: Any, settings: Settings, replica: VllmReplica, *, fleet: str, name: str, **serving: object
+) -> Iterator[RunningRouter]:
+    """The router (uvicorn in the thread ``name``, its refresh and probe loops running) on a free
+    port, for the fleet ``fleet`` of ``engine``'s database: ``replica``'s weight version as its
+    full checkpoint, deployed as the stable with all the weight, and ``replica`` serving it.
+    ``serving`` overrides serving settings (refresh every 0.2 s, health probes every 0.5 s).
+    Entered once the replica is routable (``/ready`` answers 200); stopped afterwards."""
+    import uvicorn
+    from sqlalchemy.orm import Session
+
+    from flywheel.core.db.models import Checkpoint, Deployment, Replica
+    from serving.proxy.router import create_app, uvicorn_config
+
+    version = replica.weight_version
+    with Session(engine) as s:
+        s.add(Checkpoint(id=version, policy_version=version, base_model=str(replica.model_dir),
+                         path=str(replica.model_dir), format="full", status="deployed"))  # fmt: skip
+        s.flush()
+        s.add(Deployment(fleet=fleet, checkpoint_id=version, role="stable", weight=1.0, status="active"))
+        row = Replica(fleet=fleet, url=replica.url, state="serving", policy_version=version, checkpoint_id=version)
+        s.add(row)
+        s.commit()
+        replica_id = row.id
+    update = {"fleet": fleet, "refresh_s": 0.2, "health_interval_s": 0.5, **serving}
+    settings = settings.model_copy(update={"serving": settings.serving.model_copy(update=update)})
+    app = create_app(settings, engine)
+    port = free_port()
+    config = uvicorn_config(app, "127.0.0.1", port)
+    config.loop = "asyncio"
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: server.started, 30, "the router started")
+        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, 30, "the replica routable")
+        yield RunningRouter(url, app.router, settings, version, replica_id)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``condition()``'s first true value, asked every 0.1 s; an AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
 # --------------------------------------------------------------------------- browser
 
 CHROMIUM = Path(os.environ.get("FLYWHEEL_CHROMIUM", "/usr/bin/chromium"))

@@ -9,10 +9,9 @@ client and httpx alone: no Flywheel import touches its requests.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import VllmReplica, free_port
+from conftest import VllmReplica, running_router, wait_for
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 from transformers import AutoTokenizer
@@ -30,11 +29,11 @@ from flywheel.core.auth import create_key
 from flywheel.core.contracts.events import Completion, parse_event
 from flywheel.core.contracts.topics import events_topic
 from flywheel.core.db.engine import get_engine
-from flywheel.core.db.models import Checkpoint, Deployment, Replica
+from flywheel.core.db.models import Checkpoint
 from flywheel.core.settings import Settings
 from ingest.topics import ensure_topics
 from serving.proxy.capture import COMPLETION_IDS_HEADER
-from serving.proxy.router import Router, create_app, uvicorn_config
+from serving.proxy.router import Router
 
 pytestmark = pytest.mark.integration
 
@@ -59,62 +58,22 @@ class Served:
     keys: dict[str, str]
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def served(db_url: str, stack_settings: Settings, vllm_replica: VllmReplica, kafka_bootstrap: str) -> Iterator[Served]:
-    import uvicorn
-
     engine = get_engine(db_url)
-    version = vllm_replica.weight_version
     with Session(engine) as s:
-        s.add(Checkpoint(id=version, policy_version=version, base_model=str(vllm_replica.model_dir),
-                         path=str(vllm_replica.model_dir), format="full", status="deployed"))  # fmt: skip
-        s.flush()
-        s.add(Deployment(fleet=FLEET, checkpoint_id=version, role="stable", weight=1.0, status="active"))
-        replica = Replica(fleet=FLEET, url=vllm_replica.url, state="serving", policy_version=version,
-                          checkpoint_id=version)  # fmt: skip
-        s.add(replica)
         keys = {}
         for project in (CAPTURED, NOT_CAPTURED):
             _, keys[project] = create_key(s, name=f"product-{project}", role="product", project=project)
         s.commit()
-        replica_id = str(replica.id)
     prefix = f"capture{uuid.uuid4().hex[:8]}"
     kafka = stack_settings.kafka.model_copy(update={"topic_prefix": prefix, "bootstrap_servers": kafka_bootstrap})
-    serving = stack_settings.serving.model_copy(
-        update={
-            "fleet": FLEET,
-            "refresh_s": 0.2,
-            "health_interval_s": 0.5,
-            "capture": stack_settings.serving.capture.model_copy(update={"projects": [CAPTURED]}),
-        }
-    )
-    settings = stack_settings.model_copy(update={"serving": serving, "kafka": kafka})
+    settings = stack_settings.model_copy(update={"kafka": kafka})
     ensure_topics(settings, kafka_bootstrap)
-    app = create_app(settings, engine)
-    port = free_port()
-    config = uvicorn_config(app, "127.0.0.1", port)
-    config.loop = "asyncio"
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="router-capture", daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the router started")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, 30, "the replica routable")
-        yield Served(url, app.router, engine, vllm_replica.model, version, vllm_replica.url, replica_id,
-                     events_topic(prefix), kafka_bootstrap, settings, keys)  # fmt: skip
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    capture = stack_settings.serving.capture.model_copy(update={"projects": [CAPTURED]})
+    with running_router(engine, settings, vllm_replica, fleet=FLEET, name="router-capture", capture=capture) as run:
+        yield Served(run.url, run.router, engine, vllm_replica.model, run.version, vllm_replica.url,
+                     str(run.replica_id), events_topic(prefix), kafka_bootstrap, run.settings, keys)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

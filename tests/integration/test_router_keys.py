@@ -9,9 +9,8 @@ Keys are made by the real CLI (``flywheel keys create --role product``) and by
 from __future__ import annotations
 
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import VllmReplica, free_port
+from conftest import VllmReplica, free_port, running_router, wait_for
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
@@ -28,12 +27,12 @@ from flywheel.cli import app as cli_app
 from flywheel.core.auth import create_key, hash_token, revoke_key
 from flywheel.core.contracts import Completion
 from flywheel.core.db.engine import get_engine
-from flywheel.core.db.models import ApiKey, Checkpoint, Deployment, Replica
+from flywheel.core.db.models import ApiKey
 from flywheel.core.settings import Settings
 from flywheel.demo.loop import product_key
 from flywheel.sdk import Flywheel
 from flywheel.sdk.transports.memory import MemoryTransport
-from serving.proxy.router import Router, create_app, uvicorn_config
+from serving.proxy.router import Router
 
 pytestmark = pytest.mark.integration
 
@@ -63,58 +62,15 @@ def new_key(engine: Engine, role: str = "product", project: str | None = PROJECT
     return info.id, token
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def served(db_url: str, stack_settings: Settings, vllm_replica: VllmReplica) -> Iterator[Served]:
     """The router for a fleet of the session's replica (serving its weight version as the stable)."""
-    import uvicorn
-
     engine = get_engine(db_url)
-    version = vllm_replica.weight_version
-    with Session(engine) as s:
-        s.add(Checkpoint(id=version, policy_version=version, base_model=str(vllm_replica.model_dir),
-                         path=str(vllm_replica.model_dir), format="full", status="deployed"))  # fmt: skip
-        s.flush()
-        s.add(Deployment(fleet=FLEET, checkpoint_id=version, role="stable", weight=1.0, status="active"))
-        replica = Replica(fleet=FLEET, url=vllm_replica.url, state="serving", policy_version=version,
-                          checkpoint_id=version)  # fmt: skip
-        s.add(replica)
-        s.commit()
-        replica_id = replica.id
-    port, metrics_port = free_port(), free_port()
-    serving = stack_settings.serving.model_copy(
-        update={
-            "fleet": FLEET,
-            "refresh_s": 0.2,
-            "health_interval_s": 0.5,
-            "projects": [PROJECT],
-            "max_request_bytes": LIMIT,
-            "router_metrics_port": metrics_port,
-        }
-    )
-    app = create_app(stack_settings.model_copy(update={"serving": serving}), engine)
-    config = uvicorn_config(app, "127.0.0.1", port)
-    config.loop = "asyncio"
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="router-keys", daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the router started")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, 30, "the replica routable")
-        yield Served(url, f"http://127.0.0.1:{metrics_port}", app.router, engine, db_url, vllm_replica.model,
-                     version, replica_id)  # fmt: skip
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    metrics_port = free_port()
+    with running_router(engine, stack_settings, vllm_replica, fleet=FLEET, name="router-keys", projects=[PROJECT],
+                        max_request_bytes=LIMIT, router_metrics_port=metrics_port) as run:  # fmt: skip
+        yield Served(run.url, f"http://127.0.0.1:{metrics_port}", run.router, engine, db_url, vllm_replica.model,
+                     run.version, run.replica_id)  # fmt: skip
 
 
 def complete(served: Served, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
