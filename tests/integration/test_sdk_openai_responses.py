@@ -21,6 +21,7 @@ from conftest import completions_by_id
 from flywheel.core.contracts import Completion
 from flywheel.sdk import Flywheel
 from flywheel.sdk.openai import completion_ids, wrap
+from flywheel.task.arith import SYSTEM_PROMPT
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -43,7 +44,9 @@ def assert_token_data(event: Completion, *, streamed_response: bool = False) -> 
 
 def test_responses_create_whole_and_streamed(vllm_replica, fw: Flywheel) -> None:
     client = wrap(openai.OpenAI(base_url=f"{vllm_replica.url}/v1", api_key="unused", max_retries=0), fw)
-    common = {"model": vllm_replica.model, "instructions": "be short", "max_output_tokens": 8, "temperature": 1.0}
+    # Greedy, under the calculator's own system prompt: the base model answers it (under another
+    # instruction it may end at once, and at temperature 1 it sometimes did: an empty output_text).
+    common = {"model": vllm_replica.model, "instructions": SYSTEM_PROMPT, "max_output_tokens": 16, "temperature": 0.0}
     with fw.session() as s:
         whole = client.responses.create(input=INPUT, **common)
         stream = client.responses.create(input="2+2=", stream=True, **common)
@@ -54,13 +57,13 @@ def test_responses_create_whole_and_streamed(vllm_replica, fw: Flywheel) -> None
     by_id = completions_by_id(fw)
     assert len(by_id) == 2 and {e.session_id for e in by_id.values()} == {s.session_id}
     first = by_id[completion_ids(whole)[0]]
-    assert [(m.role, m.content) for m in first.prompt_messages] == [("system", "be short"), ("user", "3+4=")]
+    assert [(m.role, m.content) for m in first.prompt_messages] == [("system", SYSTEM_PROMPT), ("user", "3+4=")]
     assert first.completion_text == whole.output_text
     assert first.finish_reason == ("stop" if whole.status == "completed" else "length")
-    assert first.sampling.max_tokens == 8 and first.sampling.temperature == 1.0 and first.latency_ms > 0
+    assert first.sampling.max_tokens == 16 and first.sampling.temperature == 0.0 and first.latency_ms > 0
     assert_token_data(first)
     second = by_id[completion_ids(stream)[0]]
-    assert [(m.role, m.content) for m in second.prompt_messages] == [("system", "be short"), ("user", "2+2=")]
+    assert [(m.role, m.content) for m in second.prompt_messages] == [("system", SYSTEM_PROMPT), ("user", "2+2=")]
     assert second.completion_text == deltas
     assert_token_data(second, streamed_response=True)
 
