@@ -316,30 +316,33 @@ def test_checkpoints_list_pages_newest_first_and_show(engine, client, tokens, ba
 # --------------------------------------------------------------------------- deployment routes: errors and audit
 
 
-def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens, base_id, fleet):
+def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens, base_id, fleet, unused_port):
     operator = bearer(tokens["operator"])
     rejected = f"ck-{uuid.uuid4().hex[:6]}"
     add_checkpoint(engine, rejected, parent=base_id, path="/nowhere/r", status="rejected")
+    canary, weight, pin = "deploy.canary", "deploy.weight", "deploy.pin"
 
     cases = [
-        (
-            "POST",
-            "/v1/canary",
-            {"checkpoint_id": "nope", "weight": 0.05},
-            404,
-            "not_found",
-            "no checkpoint 'nope'",
-            "deploy",
-        ),
-        ("POST", "/v1/canary", {"checkpoint_id": rejected, "weight": 0.05}, 422, "invalid", "is rejected", "deploy"),
-        ("POST", "/v1/canary", {"checkpoint_id": base_id, "weight": 1.5}, 422, "invalid", "body.weight", "api"),
-        ("POST", "/v1/canary", {"checkpoint_id": base_id, "wieght": 0.5}, 422, "invalid", "body.wieght", "api"),
-        ("PUT", "/v1/canary/weight", {"weight": 0.5}, 409, "conflict", "no active canary", "deploy"),
-        ("PUT", "/v1/canary/weight", {"weight": 0}, 422, "invalid", "body.weight", "api"),
-        ("POST", "/v1/promote", {}, 409, "conflict", "no active canary to promote", "deploy"),
-        ("POST", "/v1/rollback", {"to_checkpoint_id": base_id}, 409, "conflict", "no active stable", "deploy"),
-    ]
-    for method, path, body, status, kind, fragment, writer in cases:
+        ("POST", "/v1/canary", {"checkpoint_id": "nope", "weight": 0.05}, 404, "not_found", "no checkpoint 'nope'",
+         "deploy", canary),
+        ("POST", "/v1/canary", {"checkpoint_id": rejected, "weight": 0.05}, 422, "invalid", "is rejected", "deploy",
+         canary),
+        ("POST", "/v1/canary", {"checkpoint_id": base_id, "weight": 1.5}, 422, "invalid", "body.weight", "api", canary),
+        ("POST", "/v1/canary", {"checkpoint_id": base_id, "wieght": 0.5}, 422, "invalid", "body.wieght", "api", canary),
+        ("PUT", "/v1/canary/weight", {"weight": 0.5}, 409, "conflict", "no active canary", "deploy", weight),
+        ("PUT", "/v1/canary/weight", {"weight": 0}, 422, "invalid", "body.weight", "api", weight),
+        ("POST", "/v1/promote", {}, 409, "conflict", "no active canary to promote", "deploy", "deploy.promote"),
+        ("POST", "/v1/rollback", {"to_checkpoint_id": base_id}, 409, "conflict", "no active stable", "deploy",
+         "deploy.rollback"),
+        ("PUT", "/v1/pins/subagent", {"checkpoint_id": base_id}, 409, "conflict", "no active stable", "deploy", pin),
+        ("PUT", "/v1/pins/agent", {"checkpoint_id": base_id}, 409, "conflict", "is trained", "deploy", pin),
+        ("PUT", "/v1/pins/subagent", {"checkpoint_id": "nope"}, 404, "not_found", "no checkpoint 'nope'", "deploy",
+         pin),
+        ("PUT", "/v1/pins/sub%20agent", {"checkpoint_id": base_id}, 422, "invalid", "agent_role", "api", pin),
+        ("PUT", "/v1/pins/subagent", {"checkpoint": base_id}, 422, "invalid", "body.checkpoint", "api", pin),
+        ("DELETE", "/v1/pins/subagent", None, 404, "not_found", "is not pinned", "deploy", "deploy.unpin"),
+    ]  # fmt: skip
+    for method, path, body, status, kind, fragment, writer, action in cases:
         before = last_audit_id(engine)
         response = client.request(method, path, json=body, headers=operator)
         assert response.status_code == status, (path, body, response.text)
@@ -347,39 +350,11 @@ def test_deploy_refusals_map_to_http_and_are_audited_once(engine, client, tokens
         assert answer["error"] == kind and fragment in answer["reason"], answer
         [row] = audit_since(engine, before)  # one row: the deploy function's, or the API's when it never got there
         assert row.success is False and row.actor == "token:operator" and row.target == f"fleet:{fleet}", row.details
-        assert (
-            row.action
-            == {
-                "/v1/canary": "deploy.canary",
-                "/v1/canary/weight": "deploy.weight",
-                "/v1/promote": "deploy.promote",
-                "/v1/rollback": "deploy.rollback",
-            }[path]
-        )
+        assert row.action == action, (path, row.action)
         if writer == "api":
             assert row.details["status"] == status and fragment in row.details["reason"]
         else:
             assert row.details["error"] == kind and row.details["token_id"]
-
-
-def test_pin_refusals_name_what_is_wrong_and_are_audited(engine, client, tokens, base_id, fleet, unused_port):
-    operator = bearer(tokens["operator"])
-    cases = [
-        ("PUT", "/v1/pins/subagent", {"checkpoint_id": base_id}, 409, "conflict", "no active stable", "deploy.pin"),
-        ("PUT", "/v1/pins/agent", {"checkpoint_id": base_id}, 409, "conflict", "is trained", "deploy.pin"),
-        ("PUT", "/v1/pins/subagent", {"checkpoint_id": "nope"}, 404, "not_found", "no checkpoint 'nope'", "deploy.pin"),
-        ("PUT", "/v1/pins/sub%20agent", {"checkpoint_id": base_id}, 422, "invalid", "agent_role", "deploy.pin"),
-        ("PUT", "/v1/pins/subagent", {"checkpoint": base_id}, 422, "invalid", "body.checkpoint", "deploy.pin"),
-        ("DELETE", "/v1/pins/subagent", None, 404, "not_found", "is not pinned", "deploy.unpin"),
-    ]
-    for method, path, body, status, kind, fragment, action in cases:
-        before = last_audit_id(engine)
-        response = client.request(method, path, json=body, headers=operator)
-        assert response.status_code == status, (path, body, response.text)
-        answer = response.json()
-        assert answer["error"] == kind and fragment in answer["reason"], answer
-        [row] = audit_since(engine, before)
-        assert (row.action, row.success, row.actor) == (action, False, "token:operator"), row.details
     stable_fleet(engine, fleet, base_id, [f"http://127.0.0.1:{unused_port()}"])
     response = client.put("/v1/pins/subagent", json={"checkpoint_id": base_id}, headers=operator)
     assert response.status_code == 409 and "would leave no stable replica" in response.json()["reason"]
