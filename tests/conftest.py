@@ -672,3 +672,58 @@ def demo_settings(tmp_path: Path) -> Settings:
         serving={"router_port": free_port(), "admin_port": free_port()},
         trainer={"gate": {"local_port": free_port()}},
     )
+
+
+@dataclass
+class RunningWorker:
+    """A rewarding worker process started by :func:`rewarding_worker`, and the names it uses."""
+
+    project: str
+    prefix: str
+    worker: Any
+
+    def log_tail(self) -> str:
+        return self.worker.log_tail()
+
+
+@contextmanager
+def rewarding_worker(
+    kafka_bootstrap: str, pg_url: str, run_dir: Path, name: str, rewarding: dict
+) -> Iterator[RunningWorker]:
+    """A real rewarding worker (its own process) on topics under a fresh prefix, for the project
+    ``name-<tag>``, scoring into ``pg_url`` (migrated first) with the ``rewarding`` settings; stopped after."""
+    from flywheel.core.db import migrate
+    from rewarding.harness import WorkerProcess, settings_env
+
+    migrate.upgrade(pg_url)
+    tag = uuid.uuid4().hex[:8]
+    project, prefix = f"{name}-{tag}", f"{name}t{tag}"
+    env = settings_env(
+        {
+            "run_dir": str(run_dir / "run"),
+            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
+            "postgres": {"url": pg_url},
+            "ingest": {"partitions": 2},
+            "rewarding": {**rewarding, "group_id": f"{name}-{tag}", "metrics_port": free_port()},
+        }
+    )
+    worker = WorkerProcess(env, run_dir / "worker.log").start()
+    try:
+        yield RunningWorker(project, prefix, worker)
+    finally:
+        worker.stop()
+
+
+def session_rows(db_url: str, table: str, project: str, session_id: str) -> list[dict]:
+    """Rows of ``rewards`` (by version) or ``training_samples`` of one session."""
+    from sqlalchemy import text
+
+    from flywheel.core.db.engine import get_engine
+
+    order = "version" if table == "rewards" else "reward_version, completion_id"
+    with get_engine(db_url).connect() as conn:
+        result = conn.execute(
+            text(f"SELECT * FROM {table} WHERE project = :p AND session_id = :s ORDER BY {order}"),
+            {"p": project, "s": session_id},
+        )
+        return [dict(r._mapping) for r in result]

@@ -13,12 +13,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from sqlalchemy import text
+from conftest import rewarding_worker, session_rows
 
-from flywheel.core.db import migrate
-from flywheel.core.db.engine import get_engine
 from flywheel.sdk import BudgetExceeded, Flywheel, Session
-from rewarding.harness import WorkerProcess, free_port, settings_env, wait_until
+from rewarding.harness import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -41,16 +39,6 @@ TOKENS = {"prompt_token_ids": [1, 2, 3], "completion_token_ids": [7, 8], "logpro
 def words(text: str) -> list[str]:
     """The harness's tokenizer: one token per word."""
     return text.split()
-
-
-def rows(db_url: str, table: str, project: str, session_id: str) -> list[dict]:
-    order = "version" if table == "rewards" else "reward_version, completion_id"
-    with get_engine(db_url).connect() as conn:
-        result = conn.execute(
-            text(f"SELECT * FROM {table} WHERE project = :p AND session_id = :s ORDER BY {order}"),
-            {"p": project, "s": session_id},
-        )
-        return [dict(r._mapping) for r in result]
 
 
 def search(s: Session, call_id: str) -> uuid.UUID | None:
@@ -104,38 +92,26 @@ def summary_agent(fw: Flywheel) -> tuple[str, dict[str, str]]:
 
 
 def test_budget_events_reach_the_retrieval_and_summary_rewards(kafka_bootstrap: str, pg_url: str, tmp_path) -> None:
-    migrate.upgrade(pg_url)
-    tag = uuid.uuid4().hex[:8]
-    project, prefix = f"bu-{tag}", f"but{tag}"
-    env = settings_env(
-        {
-            "run_dir": str(tmp_path / "run"),
-            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
-            "postgres": {"url": pg_url},
-            "ingest": {"partitions": 2},
-            "rewarding": {**REWARDING, "group_id": f"bu-{tag}", "metrics_port": free_port()},
-        }
-    )
-    worker = WorkerProcess(env, tmp_path / "worker.log").start()
-    try:
-        with Flywheel(project=project, kafka_bootstrap=kafka_bootstrap, topic_prefix=prefix,
+    with rewarding_worker(kafka_bootstrap, pg_url, tmp_path, "bu", REWARDING) as run:
+        project = run.project
+        with Flywheel(project=project, kafka_bootstrap=kafka_bootstrap, topic_prefix=run.prefix,
                       spool_dir=tmp_path / "spool") as fw:  # fmt: skip
             retrieval, nudges = retrieval_agent(fw)
             long, ids = summary_agent(fw)
             assert fw.flush(30) and fw.stats.invalid == 0
         wait_until(
-            lambda: rows(pg_url, "rewards", project, retrieval) and rows(pg_url, "rewards", project, long),
+            lambda: (
+                session_rows(pg_url, "rewards", project, retrieval) and session_rows(pg_url, "rewards", project, long)
+            ),
             90,
             "both sessions scored",
         )
-    finally:
-        tail = worker.log_tail()
-        worker.stop()
+        tail = run.log_tail()
 
     assert nudges[0].startswith("Your context holds 85 of 100 tokens (85%): prune")
     assert nudges[1].startswith("Your context is over its budget (115 of 100 tokens)")
 
-    (row,) = rows(pg_url, "rewards", project, retrieval)
+    (row,) = session_rows(pg_url, "rewards", project, retrieval)
     terms = row["components"]["retrieval"]["terms"]
     assert terms == {
         "f_beta": pytest.approx(0.34),
@@ -150,10 +126,10 @@ def test_budget_events_reach_the_retrieval_and_summary_rewards(kafka_bootstrap: 
     assert metrics["budget_reductions"] == 1.0
     assert row["reward"] == pytest.approx(0.34 + 0.4 / 3 + 0.05 - 0.1)
 
-    (row,) = rows(pg_url, "rewards", project, long)
+    (row,) = session_rows(pg_url, "rewards", project, long)
     assert row["reward"] == pytest.approx(1.0), tail  # the summary's terms go to its completions only
     assert row["components"]["summary"]["metrics"]["budget_refused"] == 1.0
-    samples = {str(s["completion_id"]): s for s in rows(pg_url, "training_samples", project, long)}
+    samples = {str(s["completion_id"]): s for s in session_rows(pg_url, "training_samples", project, long)}
     assert len(samples) == 4
     writer, refused = samples.pop(ids["writer"]), samples.pop(ids["refused"])
     # downstream credit (1 - 0.5, nothing redone after the summary) plus the summary made when asked

@@ -9,15 +9,11 @@ ones are listed as ignored and change nothing.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-from sqlalchemy import text
+from conftest import rewarding_worker, session_rows
 
-from flywheel.core.db import migrate
-from flywheel.core.db.engine import get_engine
 from flywheel.sdk import Flywheel
-from rewarding.harness import WorkerProcess, free_port, settings_env, wait_until
+from rewarding.harness import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -38,33 +34,12 @@ REWARDING = {
 }
 
 
-def rewards(db_url: str, project: str, session_id: str) -> list[dict]:
-    with get_engine(db_url).connect() as conn:
-        rows = conn.execute(
-            text("SELECT * FROM rewards WHERE project = :p AND session_id = :s ORDER BY version"),
-            {"p": project, "s": session_id},
-        )
-        return [dict(r._mapping) for r in rows]
-
-
 def test_configured_scores_become_the_reward_and_unconfigured_ones_are_ignored(
     kafka_bootstrap: str, pg_url: str, tmp_path
 ) -> None:
-    migrate.upgrade(pg_url)
-    tag = uuid.uuid4().hex[:8]
-    project, prefix = f"sc-{tag}", f"sct{tag}"
-    env = settings_env(
-        {
-            "run_dir": str(tmp_path / "run"),
-            "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": prefix},
-            "postgres": {"url": pg_url},
-            "ingest": {"partitions": 2},
-            "rewarding": {**REWARDING, "group_id": f"sc-{tag}", "metrics_port": free_port()},
-        }
-    )
-    worker = WorkerProcess(env, tmp_path / "worker.log").start()
-    try:
-        with Flywheel(project=project, kafka_bootstrap=kafka_bootstrap, topic_prefix=prefix,
+    with rewarding_worker(kafka_bootstrap, pg_url, tmp_path, "sc", REWARDING) as run:
+        project = run.project
+        with Flywheel(project=project, kafka_bootstrap=kafka_bootstrap, topic_prefix=run.prefix,
                       spool_dir=tmp_path / "spool") as fw:  # fmt: skip
             with fw.session(task="qa") as scored:
                 cid = scored.completion(model="m", policy_version="pv-1", completion_text="Paris, of course!")
@@ -78,13 +53,13 @@ def test_configured_scores_become_the_reward_and_unconfigured_ones_are_ignored(
             assert fw.flush(30) and fw.stats.invalid == 0
         sid, other = scored.session_id, plain.session_id
         wait_until(
-            lambda: rewards(pg_url, project, sid) and rewards(pg_url, project, other), 90, "both sessions scored"
+            lambda: session_rows(pg_url, "rewards", project, sid) and session_rows(pg_url, "rewards", project, other),
+            90,
+            "both sessions scored",
         )
-    finally:
-        tail = worker.log_tail()
-        worker.stop()
+        tail = run.log_tail()
 
-    (row,) = rewards(pg_url, project, sid)
+    (row,) = session_rows(pg_url, "rewards", project, sid)
     scores = row["components"]["scores"]
     assert scores["terms"] == {"correct": 1.0, "tone": 0.5}, tail
     assert scores["value"] == pytest.approx(0.75) and scores["weighted"] == pytest.approx(0.75)
@@ -93,7 +68,7 @@ def test_configured_scores_become_the_reward_and_unconfigured_ones_are_ignored(
     assert row["reward"] == pytest.approx(0.75)
     assert row["extractor_versions"]["scores"] == "1"
 
-    (row,) = rewards(pg_url, project, other)
+    (row,) = session_rows(pg_url, "rewards", project, other)
     scores = row["components"]["scores"]
     assert scores["value"] is None and scores["weighted"] is None
     assert scores["details"] == {"ignored": ["vibes"]}
