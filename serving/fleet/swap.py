@@ -174,7 +174,7 @@ def _same_shapes(shapes: dict[str, list[int]], expected: dict[str, list[int]]) -
 def in_flight(url: str, timeout_s: float = 5.0) -> int:
     """Requests the replica is running or holding (``GET /metrics``)."""
     try:
-        response = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+        response = vllm_admin.client().get(url.rstrip("/") + "/metrics", timeout=timeout_s)
     except httpx.HTTPError as err:
         raise vllm_admin.VllmAdminError(url, "/metrics", 0, f"{type(err).__name__}: {err}") from err
     if response.status_code != 200:
@@ -212,7 +212,7 @@ def _verification_completion(url: str, body: dict[str, Any]) -> httpx.Response:
         if paused:  # a paused scheduler holds the request forever: resume it before asking again
             vllm_admin.resume(url)
         try:
-            return httpx.post(url.rstrip("/") + "/v1/completions", json=body, timeout=per_try)
+            return vllm_admin.client().post(url.rstrip("/") + "/v1/completions", json=body, timeout=per_try)
         except httpx.TimeoutException as err:
             timeout, paused = err, _paused_or_none(url)
             log.warning(
