@@ -104,7 +104,7 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
                 text(
                     "SELECT d.id, d.role, d.weight, d.status, d.created_at, d.checkpoint_id, c.policy_version "
                     "FROM deployments d JOIN checkpoints c ON c.id = d.checkpoint_id "
-                    "WHERE d.fleet = :fleet AND d.status = 'active'"
+                    "WHERE d.fleet = :fleet AND d.status = 'active' AND d.role IN ('stable', 'canary')"
                 ),
                 {"fleet": fleet},
             )

@@ -117,6 +117,10 @@ def world(engine, settings) -> dict[str, str]:
         session.add(
             Deployment(fleet="dash", checkpoint_id="c2", role="canary", weight=0.2, strategy="full", status="active")
         )
+        session.add(  # a role pin on the stable's checkpoint: c1 is still shown as the stable
+            Deployment(fleet="dash", checkpoint_id="c1", role="pinned", agent_role="subagent", weight=0.0,
+                       strategy="full", status="active")
+        )  # fmt: skip
         tokens = {role: create_key(session, name=f"{role}-d", role=role)[1] for role in ("viewer", "operator")}
         tokens["writer"] = create_key(session, name="gw", role="writer", project=PROJECT)[1]
         session.commit()
@@ -224,3 +228,11 @@ def test_pipeline_lag(client, world):
     assert 0 <= trainer["oldest_waiting_s"] < 60 and trainer["checkpoint_age_s"] > 30 * 60
     kafka = lag["kafka"]
     assert kafka["value"] is None and kafka["reason"].startswith(("broker unreachable", "broker did not answer"))
+
+
+def test_a_role_pin_is_neither_the_stable_nor_the_canary_of_the_overview(engine, world):
+    from serving.overview import snapshot
+
+    snap = snapshot(engine, "dash")
+    assert (snap.stable["checkpoint_id"], snap.canary["checkpoint_id"]) == ("c1", "c2")
+    assert not hasattr(snap, "pinned")  # the pin on c1 is not read as a deployment role of its own
