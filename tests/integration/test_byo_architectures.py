@@ -61,6 +61,17 @@ class Loop:
         with self.engine.connect() as conn:
             return int(conn.execute(text(sql), {"v": version}).scalar_one())
 
+    def trainable_samples(self) -> int:
+        """Samples a cycle may train on: those of sessions not held out for the gate's replay suite
+        (``trainer.gate.holdout_per_mille``, 5 % of sessions by hash). Waiting on all samples instead
+        let a cycle start with 16 in its window and one of them held out (15 < min_samples 16)."""
+        from trainer.select import is_held_out
+
+        per_mille = self.settings.trainer.gate.holdout_per_mille
+        with self.engine.connect() as conn:
+            rows = conn.execute(text("SELECT project, session_id FROM training_samples")).all()
+        return sum(not is_held_out(project, session_id, per_mille) for project, session_id in rows)
+
     def play(self, n: int) -> list[str | None]:
         """``n`` sessions through the router; the versions that answered them."""
         import random
@@ -189,10 +200,10 @@ def _train_swap_and_check(loop: Loop, mode: str) -> None:
 
     settings = loop.trainer_settings(mode)
     # Traffic of the serving policy, logged through the SDK; rewarding turns it into samples.
-    before = loop.samples()
+    before = loop.trainable_samples()
     versions = loop.play(MIN_SAMPLES + 8)
     assert set(versions) == {loop.policy_version}, versions
-    wait_for(lambda: loop.samples() >= before + MIN_SAMPLES, 120, what=f"{MIN_SAMPLES} new training samples")
+    wait_for(lambda: loop.trainable_samples() >= before + MIN_SAMPLES, 120, what=f"{MIN_SAMPLES} new trainable samples")
 
     outcome = run_cycle(f"byo:{loop.arch}:{mode}", "manual", settings)
     assert outcome.status == "candidate", outcome
