@@ -47,7 +47,8 @@ from pydantic import BaseModel, Field
 from flywheel.core.fsutil import fsync_dir, fsync_tree
 from flywheel.core.settings import ModelSettings, get_settings
 from flywheel.model.check import hash_files, hashed_files, policy_version_for, weight_files
-from flywheel.model.eval import heldout_success, load_policy
+from flywheel.model.eval import DEFAULT_EVAL_SEED, load_policy
+from flywheel.model.tasks import build_task
 from flywheel.model.tokenizer import ROLES, train_tokenizer
 from flywheel.task import arith
 
@@ -173,8 +174,8 @@ class Corpus:
 
 def build_key(settings: ModelSettings) -> str:
     """Hash of everything that determines the built weights (not where they are cached)."""
-    payload = settings.model_dump(mode="json", exclude={"cache_dir", "path", "completion_only"})
-    payload |= {"builder_version": BUILDER_VERSION, "task_version": arith.TASK_VERSION}
+    payload = settings.model_dump(mode="json", exclude={"cache_dir", "path", "completion_only", "task"})
+    payload |= {"builder_version": BUILDER_VERSION, "task_version": build_task(settings.task).version}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -263,12 +264,13 @@ def _build_into(folder: Path, settings: ModelSettings, key: str) -> None:
     import transformers
 
     started = time.perf_counter()
+    task = build_task(settings.task)
     threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
     try:
         pretrain, attempts = _calibrated_pretrain(folder, settings)
         model, tokenizer = load_policy(folder)  # measure what was saved, not what is in memory
-        result = heldout_success(model, n=EVAL_N, temperature=EVAL_TEMPERATURE, tokenizer=tokenizer)
+        result = task.evaluate(model, tokenizer, n=EVAL_N, seed=DEFAULT_EVAL_SEED, temperature=EVAL_TEMPERATURE)
     finally:
         torch.set_num_threads(threads)
     sidecar = ModelSidecar(
@@ -280,7 +282,8 @@ def _build_into(folder: Path, settings: ModelSettings, key: str) -> None:
         config=model.config.to_dict(),
         param_count=sum(p.numel() for p in model.parameters()),
         tokenizer_vocab=len(tokenizer),
-        mixture={b.value: w for b, w in MIXTURE.items()},
+        task_version=task.version,
+        mixture=task.mixture or {b.value: w for b, w in MIXTURE.items()},
         pretrain=pretrain,
         heldout=HeldoutSummary(
             success_rate=result.success_rate,
@@ -311,9 +314,11 @@ def _calibrated_pretrain(folder: Path, settings: ModelSettings) -> tuple[Pretrai
         target = folder / f".attempt-{attempt}"
         summaries.append(_train_and_save(target, settings, seed))
         model, tokenizer = load_policy(target)
-        success = heldout_success(
-            model, n=EVAL_N, seed=CALIBRATION_SEED, temperature=EVAL_TEMPERATURE, tokenizer=tokenizer
-        ).success_rate
+        success = (
+            build_task(settings.task)
+            .evaluate(model, tokenizer, n=EVAL_N, seed=CALIBRATION_SEED, temperature=EVAL_TEMPERATURE)
+            .success_rate
+        )
         attempts.append(CalibrationAttempt(attempt=attempt, seed=seed, calibration_success=success,
                                            final_loss=summaries[-1].final_loss))  # fmt: skip
         log.info("calibration attempt %d (seed %d): success %.1f%%, band %s", attempt, seed, 100 * success,
@@ -337,33 +342,28 @@ def _train_and_save(folder: Path, settings: ModelSettings, seed: int) -> Pretrai
     """Corpus and tokenizer (fixed by ``settings.seed``), initialisation and pre-training (by ``seed``), saved."""
     import torch
 
+    task = build_task(settings.task)
     rng = random.Random(f"flywheel-corpus:{settings.seed}")
-    tokenizer_chats = demonstrations(TOKENIZER_CORPUS_CHATS, rng)
+    tokenizer_chats = task.demonstrations(TOKENIZER_CORPUS_CHATS, rng)
     tokenizer = train_tokenizer((m["content"] for chat in tokenizer_chats for m in chat), settings.vocab_size)
     n_sequences = max(settings.pretrain_steps * BATCH_SIZE, 1)
-    corpus = tokenize_corpus(tokenizer, demonstrations(n_sequences, rng))
+    corpus = tokenize_corpus(tokenizer, task.demonstrations(n_sequences, rng), task.max_positions)
     torch.manual_seed(seed)
-    model = init_model(settings, tokenizer)
+    model = init_model(settings, tokenizer, task.max_positions)
     pretrain = pretrain_model(model, corpus, settings.pretrain_steps, seed=seed)
     folder.mkdir(parents=True, exist_ok=True)
-    save_folder(model, tokenizer, folder)
+    save_folder(model, tokenizer, folder, task.max_new_tokens)
     return pretrain
 
 
 def demonstrations(n: int, rng: random.Random) -> list[list[arith.Message]]:
-    """``n`` chats on TRAIN problems, behaviours drawn from :data:`MIXTURE`."""
-    pool = arith.all_problems("train")
-    behaviours = list(MIXTURE)
-    weights = [MIXTURE[b] for b in behaviours]
-    chats = []
-    for _ in range(n):
-        problem = pool[rng.randrange(len(pool))]
-        behaviour = rng.choices(behaviours, weights)[0]
-        chats.append(arith.demonstration(problem, behaviour, rng))
-    return chats
+    """``n`` calculator chats on TRAIN problems, behaviours drawn from :data:`MIXTURE`."""
+    return build_task("arith").demonstrations(n, rng)
 
 
-def tokenize_corpus(tokenizer: PreTrainedTokenizerFast, chats: list[list[arith.Message]]) -> Corpus:
+def tokenize_corpus(
+    tokenizer: PreTrainedTokenizerFast, chats: list[list[arith.Message]], max_positions: int = MAX_POSITIONS
+) -> Corpus:
     """Token ids and assistant-token loss masks of every chat (one batched encode)."""
     contents = [m["content"] for chat in chats for m in chat]
     encoded = iter(tokenizer(contents, add_special_tokens=False)["input_ids"])
@@ -377,14 +377,16 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerFast, chats: list[list[arith.M
             trained = int(message["role"] == "assistant")
             ids += [role_ids[message["role"]], *content, eot]
             mask += [0] + [trained] * (len(content) + 1)
-        if len(ids) > MAX_POSITIONS:
-            raise BuildError(f"demonstration of {len(ids)} tokens exceeds {MAX_POSITIONS} positions")
+        if len(ids) > max_positions:
+            raise BuildError(f"demonstration of {len(ids)} tokens exceeds {max_positions} positions")
         corpus.ids.append(ids)
         corpus.masks.append(mask)
     return corpus
 
 
-def init_model(settings: ModelSettings, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def init_model(
+    settings: ModelSettings, tokenizer: PreTrainedTokenizerFast, max_positions: int = MAX_POSITIONS
+) -> LlamaForCausalLM:
     """A freshly initialised float32 Llama sized by ``settings`` (seed torch first)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -400,7 +402,7 @@ def init_model(settings: ModelSettings, tokenizer: PreTrainedTokenizerFast) -> L
         num_attention_heads=settings.num_heads,
         num_key_value_heads=settings.num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -491,7 +493,9 @@ def _batch(corpus: Corpus, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor,
     return input_ids, labels, attention
 
 
-def save_folder(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+def save_folder(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: Path, max_new_tokens: int = 32
+) -> None:
     """Write weights (safetensors, float32), tokenizer and generation config to ``folder``."""
     from transformers import GenerationConfig
 
@@ -502,7 +506,7 @@ def save_folder(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, fol
         do_sample=True,
         temperature=1.0,
         top_p=1.0,
-        max_new_tokens=32,
+        max_new_tokens=max_new_tokens,
     )
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

@@ -55,6 +55,8 @@ class EvalResult:
     tool_error_rate: float = 0.0
     """Malformed tool calls per tool call."""
     seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    """A task's own figures (PARL: ``critical_steps``, ``parallel_rate``, ``subagents_per_episode``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record."""

@@ -14,6 +14,7 @@ from flywheel.model.base import base_model_dir
 from flywheel.model.build import SIDECAR_NAME, read_sidecar
 from flywheel.model.check import ModelInfo, check_model
 from flywheel.model.eval import DEFAULT_MAX_NEW_TOKENS, heldout_key
+from flywheel.task import arith
 
 
 def register_model(
@@ -62,7 +63,10 @@ def build_heldout(folder: Path | str) -> dict[str, HeldoutResult] | None:
     """The held-out result a model build measured (its ``flywheel_model.json``), by gate key; None without one."""
     if not (Path(folder) / SIDECAR_NAME).is_file():
         return None
-    held = read_sidecar(folder).heldout
+    sidecar = read_sidecar(folder)
+    if sidecar.task_version != arith.TASK_VERSION:
+        return None  # another task's figure (model.task): its own suite measures the base at the first gate
+    held = sidecar.heldout
     key = heldout_key(held.n, held.seed, held.temperature, DEFAULT_MAX_NEW_TOKENS)
     return {key: HeldoutResult(**held.model_dump(), source="build")}
 

@@ -21,6 +21,9 @@ class ModelSettings(BaseModel):
     """The base model has no chat template and is used through completions only (no chat requests)."""
     cache_dir: Path = Path(".flywheel/models")
     """Where built models are cached, one folder per build key (and the model checks' cache)."""
+    task: str = Field("arith", pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    """The synthetic task the project's model is pre-trained on (:mod:`flywheel.model.tasks`): ``arith``, the
+    demo's calculator agent, or a scenario's (``parl``); part of the build key through the task's version."""
     seed: int = Field(0, ge=0)
     """Seed of the corpus, tokenizer, initialisation and pre-training."""
     hidden_size: int = Field(128, ge=64, le=4096)
