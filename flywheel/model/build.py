@@ -345,7 +345,9 @@ def _train_and_save(folder: Path, settings: ModelSettings, seed: int) -> Pretrai
     task = build_task(settings.task)
     rng = random.Random(f"flywheel-corpus:{settings.seed}")
     tokenizer_chats = task.demonstrations(TOKENIZER_CORPUS_CHATS, rng)
-    tokenizer = train_tokenizer((m["content"] for chat in tokenizer_chats for m in chat), settings.vocab_size)
+    tokenizer = train_tokenizer(
+        (m["content"] for chat in tokenizer_chats for m in chat), settings.vocab_size, task.max_positions
+    )
     n_sequences = max(settings.pretrain_steps * BATCH_SIZE, 1)
     corpus = tokenize_corpus(tokenizer, task.demonstrations(n_sequences, rng), task.max_positions)
     torch.manual_seed(seed)

@@ -35,8 +35,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train the BPE on ``texts`` and wrap it with special tokens and the chat template."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int = 256) -> PreTrainedTokenizerFast:
+    """Train the BPE on ``texts`` and wrap it with special tokens and the chat template.
+
+    ``max_length`` is the tokenizer's ``model_max_length``: the model's positions (a task's ``max_positions``).
+    """
     # lazy: flywheel.model.build imports this module, and serving imports build without training
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -63,7 +66,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         pad_token=PAD,
         additional_special_tokens=list(ROLE_TOKENS),
         padding_side="left",
-        model_max_length=256,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
