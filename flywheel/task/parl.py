@@ -20,7 +20,6 @@ Pure Python (no torch), like the calculator task: the demo agent and the gate im
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -40,7 +39,6 @@ TASK_VERSION = "parl-v1"
 PARTS = (3, 4, 5)
 """How many products a problem sums."""
 OPERAND_RANGE = range(10, 100)
-HELDOUT_PERCENT = 20
 MAX_CRITICAL_STEPS = 6
 MAX_TURNS = 8
 """Orchestrator turns at most (critical steps end an episode first unless sub-agents answer at once)."""
@@ -55,7 +53,6 @@ SUBAGENT_MAX_TURNS = 2
 """A sub-agent calls the calculator and answers: two steps; a third is never needed."""
 
 _ASSIGN_RE = re.compile(re.escape(ASSIGN_OPEN) + r"(.*?)" + re.escape(ASSIGN_CLOSE), re.DOTALL)
-_CALC_RE = re.compile(re.escape(arith.TOOL_OPEN) + r"(.*?)(" + re.escape(arith.TOOL_CLOSE) + r"|$)", re.DOTALL)
 _TERM_RE = re.compile(r"\s*(-?\d{1,7})\s*(?:\*\s*(-?\d{1,7})\s*)?")
 _QUESTION_RE = re.compile(r"What is\s*([0-9*+\s]+)\?")
 FinishReason = Literal["answer", "no_answer", "max_steps", "max_turns", "running"]
@@ -91,16 +88,11 @@ class Problem:
 
     @property
     def split(self) -> Split:
-        return split_of(self.id)
+        """By the calculator's id hash (:func:`flywheel.task.arith.split_of`): 20 % held out."""
+        return arith.split_of(self.id)
 
     def to_dict(self) -> dict[str, object]:
         return {"id": self.id, "parts": [list(p) for p in self.parts], "kind": self.kind, "answer": self.answer}
-
-
-def split_of(problem_id: str) -> Split:
-    """The split of a problem id, from a SHA-256 hash (stable across runs and machines)."""
-    bucket = int.from_bytes(hashlib.sha256(problem_id.encode()).digest()[:8], "big") % 100
-    return "heldout" if bucket < HELDOUT_PERCENT else "train"
 
 
 def random_problem(rng: random.Random, split: Split) -> Problem:
@@ -260,7 +252,7 @@ def advance_episode(episode: Episode, completion: str, run_subagents: RunSubagen
     episode.turns.append(turn)
     episode.messages.append({"role": "assistant", "content": completion})
     turn.assignments = parse_assignments(completion)
-    calc = _CALC_RE.search(completion)
+    calc = arith.parse_tool_call(completion)
     if turn.assignments:
         if len(turn.assignments) > MAX_ASSIGNS:
             turn.tool_result = f"error: at most {MAX_ASSIGNS} sub-agents per turn"
@@ -271,8 +263,8 @@ def advance_episode(episode: Episode, completion: str, run_subagents: RunSubagen
                                  f"{len(turn.assignments)} assignments")  # fmt: skip
             turn.tool_result = " ".join(subagent_result(e) for e in turn.subagents)
     elif calc is not None:
-        turn.calc = calc.group(1)
-        turn.tool_result = run_calc(turn.calc) if calc.group(2) else f"error: missing {arith.TOOL_CLOSE}"
+        turn.calc = calc.expression
+        turn.tool_result = run_calc(turn.calc) if calc.closed else f"error: missing {arith.TOOL_CLOSE}"
     else:
         episode.finish_reason = "answer" if arith.parse_answer(completion) is not None else "no_answer"
         return episode
@@ -284,10 +276,17 @@ def advance_episode(episode: Episode, completion: str, run_subagents: RunSubagen
     return episode
 
 
-def run_subagent(assignment: str, generate: Generate) -> arith.Episode:
-    """One sub-agent: the calculator agent on ``assignment``, with the sub-agent's prompt."""
+def start_subagent(assignment: str) -> arith.Episode:
+    """A sub-agent's episode: the calculator agent on ``assignment`` (scored against a placeholder problem when the
+    assignment is not one), with the sub-agent's prompt."""
     problem = arith.problem_from_text(f"What is {assignment}?") or arith.Problem(0, "+", 0)
-    return arith.run_episode(problem, generate, max_turns=SUBAGENT_MAX_TURNS, messages=subagent_messages(assignment))
+    return arith.start_episode(problem, SUBAGENT_MAX_TURNS, subagent_messages(assignment))
+
+
+def run_subagent(assignment: str, generate: Generate) -> arith.Episode:
+    """One sub-agent run to its end (:func:`flywheel.task.arith.run_episode` with the sub-agent's opening)."""
+    opening = start_subagent(assignment)
+    return arith.run_episode(opening.problem, generate, SUBAGENT_MAX_TURNS, opening.messages)
 
 
 def run_episode(problem: Problem, generate: Generate, run_subagents: RunSubagents) -> Episode:
@@ -436,11 +435,7 @@ def run_subagents_batch(
     assignments: list[str], generate_batch: Callable[[list[list[Message]]], list[str]]
 ) -> list[arith.Episode]:
     """Sub-agent episodes for ``assignments``, in lock step."""
-    subs = [
-        arith.start_episode(arith.problem_from_text(f"What is {a}?") or arith.Problem(0, "+", 0),
-                            SUBAGENT_MAX_TURNS, subagent_messages(a))
-        for a in assignments
-    ]  # fmt: skip
+    subs = [start_subagent(a) for a in assignments]
     while active := [e for e in subs if not e.done]:
         for episode, completion in zip(active, generate_batch([[dict(m) for m in e.messages] for e in active])):
             arith.advance_episode(episode, completion)
