@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 FLYWHEEL := $(VENV)/bin/flywheel
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit test-compose test-sdk-compat lint up down status model bench-byo bench-% lock clean help
+.PHONY: setup demo test test-unit test-compose test-sdk-compat lint up down status model bench-byo bench-flywheel bench-% lock clean help
 
 help:
 	@echo "make demo   - set up, start the local stack, run the main job, shut down"
@@ -21,6 +21,7 @@ help:
 	@echo "make up / make down / make status - the local stack alone"
 	@echo "make bench-<name> - run bench/<name>.py (e.g. make bench-ingest)"
 	@echo "make bench-byo MODEL=PATH - the real loop on any causal-LM folder (bench/byo.py)"
+	@echo "make bench-flywheel SCENARIO=parl - the demo headless against its target (arith by default)"
 
 setup: $(STAMP)
 
@@ -88,6 +89,11 @@ bench-train: setup
 bench-byo: setup
 	@test -n "$(MODEL)" || { echo "error: name the model folder: make bench-byo MODEL=PATH"; exit 2; }
 	$(PY) bench/byo.py "$(MODEL)" $(BYO_ARGS)
+
+# The demo headless against its target: make bench-flywheel SCENARIO=parl (default arith).
+SCENARIO ?= arith
+bench-flywheel: setup
+	$(PY) bench/flywheel.py --scenario "$(SCENARIO)"
 
 bench-%: setup
 	$(PY) bench/$*.py

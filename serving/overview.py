@@ -27,6 +27,8 @@ class CheckpointView:
     created_at: datetime
     heldout: float | None
     """Held-out success rate from the eval gate (the base model's from its build)."""
+    heldout_metrics: dict[str, float] = field(default_factory=dict)
+    """The headline suite's own figures (``metrics`` of its result, e.g. PARL's ``critical_steps``)."""
     live_sessions: int = 0
     """Scored sessions this version served (newest reward version per session)."""
     live_success: float | None = None
@@ -140,7 +142,7 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
                 "ORDER BY created_at, id"
             )
         ).mappings():
-            heldout = _heldout(c["eval"])
+            heldout, heldout_metrics = _heldout(c["eval"])
             lv = live.get(c["policy_version"])
             snap.checkpoints.append(
                 CheckpointView(
@@ -150,6 +152,7 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
                     status=c["status"],
                     created_at=c["created_at"],
                     heldout=heldout,
+                    heldout_metrics=heldout_metrics,
                     live_sessions=int(lv["n"]) if lv else 0,
                     live_success=float(lv["success"]) if lv and lv["success"] is not None else None,
                     live_reward=float(lv["reward"]) if lv and lv["reward"] is not None else None,
@@ -192,7 +195,13 @@ def snapshot(engine: Engine, fleet: str = "default", with_decisions: bool = Fals
     return snap
 
 
-def _heldout(evaluation: dict[str, Any] | None) -> float | None:
-    """The headline held-out success rate of a checkpoint's ``eval`` column (its gate's, else its first)."""
+def _heldout(evaluation: dict[str, Any] | None) -> tuple[float | None, dict[str, float]]:
+    """The headline held-out success rate of a checkpoint's ``eval`` column (its gate's, else its first) and
+    that result's own ``metrics``."""
     headline = CheckpointEval.parse(evaluation).headline()
-    return headline.success_rate if headline is not None else None
+    if headline is None:
+        return None, {}
+    metrics = headline.to_dict().get("metrics")
+    if not isinstance(metrics, dict):
+        return headline.success_rate, {}
+    return headline.success_rate, {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}

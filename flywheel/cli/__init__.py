@@ -56,8 +56,13 @@ def demo(
         "--inject-regression",
         help="Also deploy a deliberately damaged checkpoint as canary and show it rolled back.",
     ),
+    scenario: str = typer.Option(
+        "arith", help="The scenario: arith (the calculator assistant) or parl (an orchestrator with frozen sub-agents)."
+    ),
     minutes: float = typer.Option(20.0, min=1.0, help="Longest the learning phase runs."),
-    target_gain: float = typer.Option(25.0, help="Stop early at this held-out gain (points) ..."),
+    target_gain: float | None = typer.Option(
+        None, help="Stop early at this held-out gain (points) ... [default: the scenario's, 25 for arith, 10 for parl]"
+    ),
     target_promotions: int = typer.Option(2, min=0, help="... and this many promotions."),
     concurrency: int = typer.Option(6, min=1, max=64, help="Concurrent agent sessions."),
     report_dir: str = typer.Option(".flywheel/report", help="Where the plot and the JSON summary go."),
@@ -72,10 +77,15 @@ def demo(
 
         raise typer.Exit(run_smoke(keep_up=keep_up))
     from flywheel.demo import DemoConfig, run_demo
+    from flywheel.demo.scenarios import SCENARIOS
 
+    if scenario not in SCENARIOS:
+        typer.echo(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}", err=True)
+        raise typer.Exit(2)
     config = DemoConfig(
+        scenario=scenario,
         budget_minutes=minutes,
-        target_gain_points=target_gain,
+        target_gain_points=target_gain if target_gain is not None else SCENARIOS[scenario].target_gain_points,
         target_promotions=target_promotions,
         concurrency=concurrency,
         inject_regression=inject_regression,

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ DEMO_DATABASE = "flywheel_demo"
 class DemoConfig:
     """The demo's knobs; the defaults are what ``make demo`` runs."""
 
+    scenario: str = "arith"
+    """Which scenario runs (:mod:`flywheel.demo.scenarios`): ``arith`` (the calculator assistant) or ``parl``
+    (an orchestrator with frozen sub-agents, Kimi K2.5's PARL); it picks the base model's task, the agent
+    product, the reward, the gate's suite and the role pins."""
     budget_minutes: float = 20.0
     """Longest the learning phase runs."""
     target_gain_points: float = 25.0
@@ -112,9 +117,16 @@ class DemoConfig:
     held-out target (which needs the base model's held-out evaluation); the budget still applies."""
 
 
-def service_overrides(config: DemoConfig, settings: Settings, db_url: str) -> dict[str, dict[str, Any]]:
-    """The settings every service of the demo gets through its environment."""
+def service_overrides(
+    config: DemoConfig, settings: Settings, db_url: str, started_at: datetime | None = None
+) -> dict[str, dict[str, Any]]:
+    """The settings every service of the demo gets through its environment (the scenario's included; its
+    anneal, if any, starts at ``started_at``, default now)."""
+    from flywheel.demo.scenarios import scenario
+
     own = _own_overrides(config, settings, db_url)
+    for section, values in scenario(config.scenario).overrides(config, started_at or datetime.now(UTC)).items():
+        own[section] = _merged(own.get(section, {}), values)
     for section, values in config.service_settings.items():
         own[section] = _merged(own.get(section, {}), values)
     return own
@@ -161,8 +173,8 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     from sqlalchemy import create_engine
 
     from flywheel.core.db import migrate
-    from flywheel.demo.agent import DemoAgent
     from flywheel.demo.report import write_report
+    from flywheel.demo.scenarios import scenario
     from flywheel.demo.view import render
     from flywheel.model.base import base_model_dir
     from flywheel.sdk import Flywheel
@@ -174,20 +186,24 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
 
     config = config or DemoConfig()
     settings = settings or get_settings()
+    plan = scenario(config.scenario)
+    replicas = max(config.replicas, plan.replicas)
+    if settings.model.task != plan.model_task:
+        settings = settings.model_copy(update={"model": settings.model.model_copy(update={"task": plan.model_task})})
     _exit_on_sigterm()
     for noisy in ("kafka", "faust", "aiokafka"):  # the agent's SDK producer: its warnings go to the log, not the view
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if not settings.vllm.urls:
-        settings = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"replicas": config.replicas})})
-    console.rule("[bold]Flywheel demo: the model learns from its own traffic")
+        settings = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"replicas": replicas})})
+    console.rule(f"[bold]Flywheel demo ({plan.name}): the model learns from its own traffic")
     console.print("resolving the base model (building the project's model if it is the one and not built) ...")
     model_dir = base_model_dir(settings.model, build=True)
     if stopped := down(settings, [SERVICE_KIND]):
         console.print(f"stopped the services an earlier `--keep-up` run left running: {', '.join(stopped)}")
-    console.print(f"starting the stack (broker, Postgres, Redis, vLLM x{config.replicas}) ...")
+    console.print(f"starting the stack (broker, Postgres, Redis, vLLM x{settings.vllm.replicas}) ...")
     up(settings, model_dir=model_dir)
     group: ServiceGroup | None = None
-    agent: DemoAgent | None = None
+    agent: Any = None
     fw: Flywheel | None = None
     viewer_token: str | None = None
     api_key: str | None = None
@@ -198,11 +214,17 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         ensure_database(db_url)
         migrate.upgrade(db_url)
         engine = create_engine(db_url, pool_pre_ping=True)
-        overrides = service_overrides(config, settings, db_url)
+        scenario_started = datetime.now(UTC)
+        overrides = service_overrides(config, settings, db_url, scenario_started)
         child_settings = _with_overrides(settings, overrides)
         from serving.fleet.registry import ensure_fleet
 
         ensure_fleet(engine, child_settings, urls=vllm_urls(settings))
+        if plan.pinned_roles:  # frozen roles stay on the base model's policy version (the canary controller pins them)
+            base_version = snapshot(engine, settings.serving.fleet).stable["policy_version"]
+            pins = {role: base_version for role in plan.pinned_roles}
+            overrides["serving"] = _merged(overrides["serving"], {"role_pins": pins})
+            child_settings = _with_overrides(settings, overrides)
         env = settings_env(settings, overrides)
         group = ServiceGroup(pipeline_specs(settings), env, Path(settings.run_dir) / "logs")
         console.print("starting the services (ingest, rewarding, trainer worker + beat, router, admin API, canary) ...")
@@ -219,20 +241,28 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         if config.agent_factory is not None:
             agent = config.agent_factory(fw, router, api_key)
         else:
-            agent = DemoAgent(fw, router, api_key=api_key, concurrency=config.concurrency, seed=config.seed)
+            agent = plan.agent(fw, router, api_key, config)
         agent.start()
         if config.on_start is not None:
             config.on_start(engine, child_settings, group)
         learn_started = time.monotonic()
         base = snapshot(engine, settings.serving.fleet)
-        base_success = _base_success(base, required=config.until is None)
+        # the calculator's build registers its held-out figure; another task's base is measured by the first gate
+        base_success = _base_success(base, required=config.until is None and plan.model_task == "arith")
+        anneal_ends = plan.anneal_ends_at(config, scenario_started)
         budget_s = config.budget_minutes * 60
         with Live(console=console, refresh_per_second=1, transient=False) if config.live else _NoLive() as live:
             while True:
                 snap = snapshot(engine, settings.serving.fleet)
                 elapsed = time.monotonic() - learn_started
                 live.update(render(snap, agent.stats.snapshot(), elapsed, budget_s))
-                done = config.until(engine, snap) if config.until is not None else _reached(snap, base_success, config)
+                if base_success is None:
+                    base_success = _base_success(snap, required=False)
+                if config.until is not None:
+                    done = config.until(engine, snap)
+                else:  # the scenario's anneal, if any, must have reached 0 first
+                    annealed = anneal_ends is None or datetime.now(UTC) >= anneal_ends
+                    done = annealed and base_success is not None and _reached(snap, base_success, config)
                 if done or elapsed > budget_s:
                     break
                 if revived := group.revive():  # like compose's restart policy; a crash loop raises
@@ -250,6 +280,12 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         if base_success is None:  # a base model without a build-time figure: the gate's first measurement of it
             base_success = _base_success(final, required=False)
         summary = _summary(final, base_success, learn_minutes, agent.stats.snapshot(), regression, config)
+        summary["scenario"] = plan.name
+        if plan.metric is not None:
+            summary.update(_metric_before_after(final, plan.metric))
+        if anneal_ends is not None:
+            summary["anneal_reached_zero"] = datetime.now(UTC) >= anneal_ends
+            summary["anneal_minutes"] = round((anneal_ends - scenario_started).total_seconds() / 60, 2)
         summary["service_restarts"] = {s.name: s.restarts for s in group if s.restarts}
         paths = write_report(Path(config.report_dir), final, summary)
         summary["report"] = {k: str(v) for k, v in paths.items()}
@@ -357,6 +393,18 @@ def _base_success(snap: Any, required: bool = True) -> float | None:
             return None
         raise RuntimeError("the base checkpoint has no held-out evaluation (rebuild the model)")
     return roots[0].heldout
+
+
+def _metric_before_after(snap: Any, metric: str) -> dict[str, float | None]:
+    """``<metric>_before`` (the base's held-out figure) and ``<metric>_after`` (the stable's)."""
+    roots = [c for c in snap.checkpoints if c.parent_id is None and metric in c.heldout_metrics]
+    before = roots[0].heldout_metrics[metric] if roots else None
+    after = before
+    if snap.stable:
+        for c in snap.checkpoints:
+            if c.id == snap.stable["checkpoint_id"] and metric in c.heldout_metrics:
+                after = c.heldout_metrics[metric]
+    return {f"{metric}_before": before, f"{metric}_after": after}
 
 
 def _stable_success(snap: Any) -> float | None:

@@ -1,0 +1,99 @@
+"""The demo's scenarios: what each one changes in the services' settings and how its figures are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from flywheel.core.settings import Settings
+from flywheel.demo.loop import DemoConfig, _metric_before_after, _with_overrides, service_overrides
+from flywheel.demo.scenarios import SCENARIOS, scenario
+
+DB = "postgresql+psycopg://x@h/db"
+T0 = datetime(2026, 12, 7, 3, 0, tzinfo=UTC)
+
+
+def test_arith_changes_nothing_of_the_demos_own_settings(tmp_path):
+    config = DemoConfig()
+    out = service_overrides(config, Settings(run_dir=tmp_path), DB, T0)
+    assert "model" not in out and "gate" not in out["trainer"] and "scoring" not in out["rewarding"]
+    assert scenario("arith").anneal_ends_at(config, T0) is None
+
+
+def test_parl_scores_with_the_parl_extractor_alone_and_gates_on_its_suite(tmp_path):
+    config = DemoConfig(scenario="parl", budget_minutes=20.0)
+    settings = Settings(run_dir=tmp_path)
+    out = service_overrides(config, settings, DB, T0)
+    assert out["model"] == {"task": "parl"}
+    assert out["trainer"]["gate"] == {"run": ["parl"]}
+    assert out["trainer"]["schedule"] == {"interval_s": config.cycle_s}  # the demo's own trainer settings kept
+    weights = out["rewarding"]["scoring"]["weights"]
+    assert weights["parl"] == 1.0 and sum(weights.values()) == 1.0
+    assert set(weights) >= set(settings.rewarding.scoring.weights)  # every default weight named (merge keeps none)
+    anneal = out["rewarding"]["scoring"]["extractors"]["parl"]["anneal"]
+    assert anneal["start_at"] == T0.isoformat() and anneal["duration_s"] == pytest.approx(600.0)
+    assert scenario("parl").anneal_ends_at(config, T0) == T0 + timedelta(minutes=10)
+    # the services' settings validate, and the parl extractor's section parses as its own model
+    child = _with_overrides(settings, out)
+    assert child.model.task == "parl" and child.trainer.gate.run == ["parl"]
+    from rewarding.extractors.parl import ParlSettings
+
+    parsed = ParlSettings.model_validate(child.rewarding.scoring.extractors["parl"])
+    assert parsed.anneal.start_at == T0 and parsed.anneal.kind == "linear"
+
+
+def test_parl_needs_a_replica_for_its_pinned_sub_agents():
+    plan = SCENARIOS["parl"]
+    assert plan.pinned_roles == ("subagent",) and plan.replicas == SCENARIOS["arith"].replicas + 1
+    trainable = Settings().trainer.data.trainable_roles
+    assert not set(plan.pinned_roles) & set(trainable)  # a pinned role is never trained
+
+
+def test_unknown_scenario_is_named():
+    with pytest.raises(ValueError, match="unknown scenario 'nope'; known: arith, parl"):
+        scenario("nope")
+
+
+@dataclass
+class View:
+    id: str
+    parent_id: str | None
+    heldout_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Snap:
+    checkpoints: list[View]
+    stable: dict[str, Any] | None
+
+
+def test_metric_before_is_the_bases_and_after_the_stables():
+    snap = Snap([View("base", None, {"critical_steps": 5.6}), View("c1", "base", {"critical_steps": 5.1})],
+                {"checkpoint_id": "c1"})  # fmt: skip
+    assert _metric_before_after(snap, "critical_steps") == {"critical_steps_before": 5.6, "critical_steps_after": 5.1}
+    snap.stable = {"checkpoint_id": "base"}  # nothing promoted: after is the base's
+    assert _metric_before_after(snap, "critical_steps") == {"critical_steps_before": 5.6, "critical_steps_after": 5.6}
+    none = _metric_before_after(Snap([View("base", None)], None), "critical_steps")
+    assert none == {"critical_steps_before": None, "critical_steps_after": None}
+
+
+def test_cli_refuses_an_unknown_scenario():
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--scenario", "nope"])
+    assert result.exit_code == 2 and "unknown scenario 'nope'" in result.output
+
+
+def test_overview_reads_the_headline_suites_own_metrics():
+    from serving.overview import _heldout
+
+    root = {"heldout": {"parl-v1/heldout/x": {"success_rate": 0.3, "n": 200, "metrics": {"critical_steps": 5.4,
+                                                                                       "note": "text"}}}}  # fmt: skip
+    assert _heldout(root) == (0.3, {"critical_steps": 5.4})
+    assert _heldout({"heldout": {"arith-v1/k": {"success_rate": 0.2, "n": 200}}}) == (0.2, {})
+    assert _heldout(None) == (None, {})
