@@ -1,13 +1,13 @@
 """PARL: the orchestrator task of Kimi K2.5's parallel-agent RL, at the calculator's scale.
 
-The user asks for a sum of three to five products, ``What is 37*48+21*33+15*62?``. The
+The user asks for a sum of three to five products, ``What is 17*28+21*3+15*26?``. The
 orchestrator can solve it alone, one ``<calc>`` per product, or split it: every
-``<assign>37*48</assign>`` in one turn creates a sub-agent and assigns it that product
+``<assign>17*28</assign>`` in one turn creates a sub-agent and assigns it that product
 (K2.5's ``create_subagent`` and ``assign_task`` in one call: a sub-agent here lives for one
 assignment). The sub-agents of one turn run in parallel; each is the calculator agent of
 :mod:`flywheel.task.arith` (``<calc>`` then ``answer: N``), served by a *frozen* checkpoint,
-and what each answered comes back in one ``tool`` message, in order (``1776 693 930``). The
-orchestrator then adds the parts with ``<calc>1776+693+930</calc>`` and replies ``answer: N``.
+and what each answered comes back in one ``tool`` message, in order (``476 63 390``). The
+orchestrator then adds the parts with ``<calc>476+63+390</calc>`` and replies ``answer: N``.
 
 Time is counted in **critical steps**, as in the report: every orchestrator turn is one
 step, and a turn that spawned sub-agents adds the longest of them (they run at once), so
@@ -35,10 +35,11 @@ Generate = Callable[[list[Message]], str]
 RunSubagents = Callable[[list[str]], list[arith.Episode]]
 """Runs one stage's sub-agents (their assignments, in order) to completion and returns their episodes."""
 
-TASK_VERSION = "parl-v1"
+TASK_VERSION = "parl-v2"
+"""v2: factors 2..29 (v1: 10..99, whose base model copied 4-digit numbers wrong and solved nothing)."""
 PARTS = (3, 4, 5)
 """How many products a problem sums."""
-OPERAND_RANGE = range(10, 100)
+OPERAND_RANGE = range(2, 30)
 MAX_CRITICAL_STEPS = 6
 MAX_TURNS = 8
 """Orchestrator turns at most (critical steps end an episode first unless sub-agents answer at once)."""
@@ -70,7 +71,7 @@ class Problem:
 
     @property
     def expression(self) -> str:
-        """``37*48+21*33+15*62``."""
+        """``17*28+21*3+15*26``."""
         return "+".join(f"{a}*{b}" for a, b in self.parts)
 
     @property
@@ -142,7 +143,7 @@ def render_messages(problem: Problem) -> list[Message]:
 
 
 def subagent_messages(assignment: str) -> list[Message]:
-    """A sub-agent's opening messages for ``assignment`` (``37*48``)."""
+    """A sub-agent's opening messages for ``assignment`` (``17*28``)."""
     return [{"role": "system", "content": SUBAGENT_PROMPT}, {"role": "user", "content": f"What is {assignment}?"}]
 
 
@@ -152,7 +153,7 @@ def parse_assignments(text: str) -> list[str]:
 
 
 def run_calc(expression: str) -> str:
-    """The orchestrator's calculator: a sum of integers or products (``1776+693``, ``37*48``)."""
+    """The orchestrator's calculator: a sum of integers or products (``476+63``, ``17*28``)."""
     terms = expression.split("+")
     if not 1 <= len(terms) <= MAX_ASSIGNS:
         return f"error: expected 1 to {MAX_ASSIGNS} terms joined by +"

@@ -92,7 +92,7 @@ def test_cli_refuses_an_unknown_scenario():
 def test_overview_reads_the_headline_suites_own_metrics():
     from serving.overview import _heldout
 
-    root = {"heldout": {"parl-v1/heldout/x": {"success_rate": 0.3, "n": 200, "metrics": {"critical_steps": 5.4,
+    root = {"heldout": {"parl-v2/heldout/x": {"success_rate": 0.3, "n": 200, "metrics": {"critical_steps": 5.4,
                                                                                        "note": "text"}}}}  # fmt: skip
     assert _heldout(root) == (0.3, {"critical_steps": 5.4})
     assert _heldout({"heldout": {"arith-v1/k": {"success_rate": 0.2, "n": 200}}}) == (0.2, {})

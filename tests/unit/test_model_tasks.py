@@ -63,7 +63,7 @@ def test_parl_suite_reports_success_and_critical_steps() -> None:
     suite = ParlSuite()
     context = EvalContext(settings=Settings(), sampling=Sampling(temperature=1.0), engine_kind="scripted")
     prepared = suite.prepare(ParlSuiteSettings(n=20), context)
-    assert prepared.key == "parl-v1/heldout/n20/s1234/t1.0/m64/sub-t0.0/scripted"
+    assert prepared.key == "parl-v2/heldout/n20/s1234/t1.0/m64/sub-t0.0/scripted"
     result = suite.evaluate(_ScriptedPolicy(), prepared, context)  # type: ignore[arg-type]
     assert result["success_rate"] == 1.0 and result["n"] == 20
     assert result["metrics"]["critical_steps"] == 5.0

@@ -25,7 +25,7 @@ def test_problem_ids_splits_and_sampling_are_stable() -> None:
     assert len({p.id for p in problems}) == 50
     assert all(p.split == "heldout" and len(p.parts) in parl.PARTS for p in problems)
     p = parl.Problem(((37, 48), (21, 33), (15, 62)))
-    assert p.id == "parl-v1:37*48+21*33+15*62"
+    assert p.id == "parl-v2:37*48+21*33+15*62"
     assert p.answer == 37 * 48 + 21 * 33 + 15 * 62
     assert parl.problem_from_text("What is 37*48+21*33+15*62?") == p
     with pytest.raises(ValueError):

@@ -54,7 +54,7 @@ class ParlSuite(EvalSuite):
     Settings: ClassVar[type[BaseModel]] = ParlSuiteSettings
 
     def prepare(self, settings: ParlSuiteSettings, context: EvalContext) -> Prepared:
-        """Key e.g. ``parl-v1/heldout/n200/s1234/t1.0/m64/sub-t0.0/vllm``."""
+        """Key e.g. ``parl-v2/heldout/n200/s1234/t1.0/m64/sub-t0.0/vllm``."""
         key = (f"{parl.TASK_VERSION}/heldout/n{settings.n}/s{settings.seed}/t{context.sampling.temperature}"
                f"/m{settings.max_new_tokens}/sub-t{PARL_SUBAGENT_TEMPERATURE}/{context.engine_kind}")  # fmt: skip
         return Prepared(key=key, items=parl.sample_problems("heldout", settings.n, settings.seed), settings=settings)
