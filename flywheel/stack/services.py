@@ -286,8 +286,19 @@ def settings_env(settings: Settings, overrides: Mapping[str, Mapping[str, Any]] 
     env.setdefault("PYTHONUNBUFFERED", "1")
     for section, values in (overrides or {}).items():
         for key, value in values.items():
-            env[f"FLYWHEEL_{section.upper()}__{key.upper()}"] = _env_value(value)
+            _set_env(env, f"FLYWHEEL_{section.upper()}__{key.upper()}", value)
     return env
+
+
+def _set_env(env: dict[str, str], name: str, value: Any) -> None:
+    """``name=value``; a mapping whose section the environment already sets a field of (the stack's
+    ``FLYWHEEL_TRAINER__GATE__ENGINE_URL`` under a ``trainer.gate`` override) goes field by field, since
+    one JSON value for the section would replace that field."""
+    if isinstance(value, dict) and any(k.startswith(f"{name}__") for k in env):
+        for key, item in value.items():
+            _set_env(env, f"{name}__{key.upper()}", item)
+        return
+    env[name] = _env_value(value)
 
 
 def _env_value(value: Any) -> str:

@@ -97,3 +97,22 @@ def test_overview_reads_the_headline_suites_own_metrics():
     assert _heldout(root) == (0.3, {"critical_steps": 5.4})
     assert _heldout({"heldout": {"arith-v1/k": {"success_rate": 0.2, "n": 200}}}) == (0.2, {})
     assert _heldout(None) == (None, {})
+
+
+def test_a_gate_override_keeps_the_stacks_gate_replica(tmp_path, monkeypatch):
+    """The stack passes the gate's replica as FLYWHEEL_TRAINER__GATE__ENGINE_URL; the parl scenario's
+    ``trainer.gate.run`` must not replace the whole gate section (seen: every cycle failed NotConfigured)."""
+    from flywheel.stack.services import settings_env
+
+    settings = Settings(run_dir=tmp_path)
+    overrides = service_overrides(DemoConfig(scenario="parl"), settings, DB, T0)
+    monkeypatch.setenv("FLYWHEEL_TRAINER__GATE__ENGINE_URL", "http://127.0.0.1:18190")
+    env = settings_env(settings, overrides)
+    assert env["FLYWHEEL_TRAINER__GATE__RUN"] == '["parl"]' and "FLYWHEEL_TRAINER__GATE" not in env
+    assert env["FLYWHEEL_TRAINER__SCHEDULE"] == '{"interval_s": 20.0}'  # no clash: one JSON value, as before
+    for name, value in env.items():
+        if name.startswith("FLYWHEEL_"):
+            monkeypatch.setenv(name, value)
+    child = Settings()
+    assert child.trainer.gate.run == ["parl"] and child.trainer.gate.engine_url == "http://127.0.0.1:18190"
+    assert child.model.task == "parl" and child.rewarding.scoring.weights["parl"] == 1.0
