@@ -649,12 +649,14 @@ def serve_app(unused_port):
 # --------------------------------------------------------------------------- end to end
 
 
-def _free_pair(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port + 1))
-        except OSError:
-            return False
+def _free_run(port: int, n: int) -> bool:
+    """Whether ``port+1 .. port+n-1`` are free too (``port`` came from :func:`free_port`)."""
+    for p in range(port + 1, port + n):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
     return True
 
 
@@ -662,7 +664,7 @@ def _free_pair(port: int) -> bool:
 def demo_settings(tmp_path: Path) -> Settings:
     """Settings of a private demo run: its own run folder, broker, two vLLM replicas, router and admin API ports."""
     vllm = free_port()
-    while not _free_pair(vllm):
+    while not _free_run(vllm, 3):  # the parl scenario runs a third replica (its pinned role's)
         vllm = free_port()
     return Settings(
         environment="test",

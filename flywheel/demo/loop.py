@@ -194,7 +194,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     for noisy in ("kafka", "faust", "aiokafka"):  # the agent's SDK producer: its warnings go to the log, not the view
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if not settings.vllm.urls:
-        settings = settings.model_copy(update={"vllm": settings.vllm.model_copy(update={"replicas": replicas})})
+        settings = settings.model_copy(update={"vllm": _local_vllm(settings.vllm, replicas, plan.model_task)})
     console.rule(f"[bold]Flywheel demo ({plan.name}): the model learns from its own traffic")
     console.print("resolving the base model (building the project's model if it is the one and not built) ...")
     model_dir = base_model_dir(settings.model, build=True)
@@ -282,6 +282,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
         summary = _summary(final, base_success, learn_minutes, agent.stats.snapshot(), regression, config)
         summary["scenario"] = plan.name
         if plan.metric is not None:
+            summary["metric"] = plan.metric
             summary.update(_metric_before_after(final, plan.metric))
         if anneal_ends is not None:
             summary["anneal_reached_zero"] = datetime.now(UTC) >= anneal_ends
@@ -393,6 +394,21 @@ def _base_success(snap: Any, required: bool = True) -> float | None:
             return None
         raise RuntimeError("the base checkpoint has no held-out evaluation (rebuild the model)")
     return roots[0].heldout
+
+
+def _local_vllm(vs: Any, replicas: int, model_task: str) -> Any:
+    """The local replicas' settings for a scenario: ``replicas`` of them, a context that holds the
+    task's longest episode, and a start timeout that grows with the servers starting at once on
+    these cores (the replicas and the gate's engine; the settings' timeout is for the calculator's three)."""
+    from flywheel.model.tasks import build_task
+
+    update: dict[str, Any] = {"replicas": replicas}
+    positions = build_task(model_task).max_positions
+    if vs.max_model_len < positions:
+        update["max_model_len"] = positions
+    if replicas > 2:
+        update["startup_timeout_s"] = vs.startup_timeout_s * (replicas + 1) / 3
+    return vs.model_copy(update=update)
 
 
 def _metric_before_after(snap: Any, metric: str) -> dict[str, float | None]:

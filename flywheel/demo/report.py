@@ -59,11 +59,15 @@ def plot(path: Path, snap: Snapshot, summary: dict[str, Any]) -> None:
     ax.grid(alpha=0.3)
     base, final = summary.get("base_success"), summary.get("final_success")
     heldout = f"held-out success {base:.0%} → {final:.0%}" if base is not None and final is not None else "checkpoints"
+    scenario = summary.get("scenario")
     title = (
-        f"Flywheel: {heldout} "
+        f"Flywheel{f' ({scenario})' if scenario and scenario != 'arith' else ''}: {heldout} "
         f"in {summary.get('minutes', 0):.1f} min from live traffic ({summary.get('promotions', 0)} promoted, "
         f"{summary.get('rollbacks', 0)} rolled back)"
     )
+    metric = summary.get("metric")  # the scenario's own held-out figure, before and after
+    if metric and summary.get(f"{metric}_before") is not None and summary.get(f"{metric}_after") is not None:
+        title += f"\n{metric.replace('_', ' ')} {summary[f'{metric}_before']:.2f} → {summary[f'{metric}_after']:.2f}"
     ax.set_title(title, fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from flywheel.core.settings import Settings
-from flywheel.demo.loop import DemoConfig, _metric_before_after, _with_overrides, service_overrides
+from flywheel.demo.loop import DemoConfig, _local_vllm, _metric_before_after, _with_overrides, service_overrides
 from flywheel.demo.scenarios import SCENARIOS, scenario
 
 DB = "postgresql+psycopg://x@h/db"
@@ -116,3 +116,15 @@ def test_a_gate_override_keeps_the_stacks_gate_replica(tmp_path, monkeypatch):
     child = Settings()
     assert child.trainer.gate.run == ["parl"] and child.trainer.gate.engine_url == "http://127.0.0.1:18190"
     assert child.model.task == "parl" and child.rewarding.scoring.weights["parl"] == 1.0
+
+
+def test_the_parl_replicas_hold_its_longest_episode_and_get_longer_to_start() -> None:
+    vs = Settings().vllm
+    arith = _local_vllm(vs, 2, "arith")
+    assert (arith.replicas, arith.max_model_len, arith.startup_timeout_s) == (2, vs.max_model_len, vs.startup_timeout_s)
+    parl = _local_vllm(vs, 3, "parl")
+    assert parl.replicas == 3
+    assert parl.max_model_len == 384  # the parl task's positions; 256 refused its long episodes
+    assert parl.startup_timeout_s == vs.startup_timeout_s * 4 / 3  # four servers start at once, not three
+    roomy = _local_vllm(vs.model_copy(update={"max_model_len": 1024}), 3, "parl")
+    assert roomy.max_model_len == 1024  # a larger context is kept
