@@ -39,6 +39,7 @@ from rich.live import Live
 from rich.table import Table
 
 from flywheel.core.settings import Settings, get_settings
+from flywheel.core.settings.vllm import VllmSettings
 
 console = Console(width=130)
 log = logging.getLogger("flywheel.demo")
@@ -396,18 +397,20 @@ def _base_success(snap: Any, required: bool = True) -> float | None:
     return roots[0].heldout
 
 
-def _local_vllm(vs: Any, replicas: int, model_task: str) -> Any:
+def _local_vllm(vs: VllmSettings, replicas: int, model_task: str) -> VllmSettings:
     """The local replicas' settings for a scenario: ``replicas`` of them, a context that holds the
     task's longest episode, and a start timeout that grows with the servers starting at once on
-    these cores (the replicas and the gate's engine; the settings' timeout is for the calculator's three)."""
+    these cores (the replicas and the gate's engine; the settings' timeout fits the calculator's)."""
+    from flywheel.demo.scenarios import SCENARIOS
     from flywheel.model.tasks import build_task
 
-    update: dict[str, Any] = {"replicas": replicas}
-    positions = build_task(model_task).max_positions
-    if vs.max_model_len < positions:
-        update["max_model_len"] = positions
-    if replicas > 2:
-        update["startup_timeout_s"] = vs.startup_timeout_s * (replicas + 1) / 3
+    update: dict[str, Any] = {
+        "replicas": replicas,
+        "max_model_len": max(vs.max_model_len, build_task(model_task).max_positions),
+    }
+    calculator = SCENARIOS["arith"].replicas
+    if replicas > calculator:
+        update["startup_timeout_s"] = vs.startup_timeout_s * (replicas + 1) / (calculator + 1)
     return vs.model_copy(update=update)
 
 
