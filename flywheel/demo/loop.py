@@ -195,7 +195,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     for noisy in ("kafka", "faust", "aiokafka"):  # the agent's SDK producer: its warnings go to the log, not the view
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if not settings.vllm.urls:
-        settings = settings.model_copy(update={"vllm": _local_vllm(settings.vllm, replicas, plan.model_task)})
+        settings = settings.model_copy(update={"vllm": _local_vllm(settings.vllm, replicas)})
     console.rule(f"[bold]Flywheel demo ({plan.name}): the model learns from its own traffic")
     console.print("resolving the base model (building the project's model if it is the one and not built) ...")
     model_dir = base_model_dir(settings.model, build=True)
@@ -397,17 +397,14 @@ def _base_success(snap: Any, required: bool = True) -> float | None:
     return roots[0].heldout
 
 
-def _local_vllm(vs: VllmSettings, replicas: int, model_task: str) -> VllmSettings:
-    """The local replicas' settings for a scenario: ``replicas`` of them, a context that holds the
-    task's longest episode, and a start timeout that grows with the servers starting at once on
-    these cores (the replicas and the gate's engine; the settings' timeout fits the calculator's)."""
+def _local_vllm(vs: VllmSettings, replicas: int) -> VllmSettings:
+    """The local replicas' settings for a scenario: ``replicas`` of them and a start timeout that
+    grows with the servers starting at once on these cores (the replicas and the gate's engine; the
+    settings' timeout fits the calculator's). The stack gives them the task's context
+    (:func:`flywheel.stack.vllm.served_vllm`)."""
     from flywheel.demo.scenarios import SCENARIOS
-    from flywheel.model.tasks import build_task
 
-    update: dict[str, Any] = {
-        "replicas": replicas,
-        "max_model_len": max(vs.max_model_len, build_task(model_task).max_positions),
-    }
+    update: dict[str, Any] = {"replicas": replicas}
     calculator = SCENARIOS["arith"].replicas
     if replicas > calculator:
         update["startup_timeout_s"] = vs.startup_timeout_s * (replicas + 1) / (calculator + 1)

@@ -26,7 +26,7 @@ import httpx
 from flywheel.core import vllm_admin
 from flywheel.core.settings import Settings
 from flywheel.stack.gate import GateReplica
-from flywheel.stack.vllm import VllmReplica, policy_version_of, server_argv, server_env
+from flywheel.stack.vllm import VllmReplica, policy_version_of, served_vllm, server_argv, server_env
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     version = replica.initial_version(model_dir, served)
     args.ready_file.unlink(missing_ok=True)
     env = {**os.environ, **server_env(settings.vllm, args.index, replica.lora)}
-    cmd = server_argv(model_dir, served, args.host, args.port, settings.vllm, replica.lora)
+    cmd = server_argv(model_dir, served, args.host, args.port, served_vllm(settings), replica.lora)
     print(f"flywheel-replica: serving {model_dir} as {served} (weight version {version}): {' '.join(cmd)}", flush=True)
     server = subprocess.Popen(cmd, env=env, cwd=model_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -70,6 +70,18 @@ def probe_vllm(url: str, timeout_s: float = 3.0) -> Health:
     return Health(True, f"weight version {version}")
 
 
+def served_vllm(settings: Settings) -> VllmSettings:
+    """``settings.vllm`` as a replica serves it: a context (``max_model_len``) at least the positions
+    of the project's task (``model.task``: the calculator's 256, the parl orchestrator's 384), so
+    that ``FLYWHEEL_MODEL__TASK=parl flywheel up`` serves the longest parl episode; a larger
+    setting is kept. ValueError for an unknown task."""
+    from flywheel.model.tasks import build_task
+
+    vs = settings.vllm
+    positions = build_task(settings.model.task).max_positions
+    return vs if vs.max_model_len >= positions else vs.model_copy(update={"max_model_len": positions})
+
+
 def server_argv(model_dir: Path, served: str, host: str, port: int, vs: VllmSettings, lora: bool) -> list[str]:
     """The vLLM OpenAI server of ``model_dir`` as every Flywheel replica runs it: the local stack's
     and a container's (:mod:`flywheel.stack.replica`); ``lora``: loads LoRA adapters at runtime."""
@@ -152,7 +164,6 @@ class VllmReplica(Component):
         return self.model_dir is None or record.extra.get("model_dir") == str(self.model_dir)
 
     def start_or_locate(self) -> ComponentRecord:
-        vs = self.settings.vllm
         if self.configured_url:
             return ComponentRecord(
                 name=self.name,
@@ -170,6 +181,10 @@ class VllmReplica(Component):
         if not (model_dir / "config.json").is_file():
             raise ComponentFailed(self.name, f"model folder {model_dir} has no config.json (not a HF model folder)")
         require_port_free(self.name, HOST, self.port)
+        try:
+            vs = served_vllm(self.settings)
+        except ValueError as err:
+            raise ComponentFailed(self.name, str(err)) from err
         served = policy_version_of(model_dir, self.settings)
         argv = [
             *(["nice", "-n", str(vs.nice)] if vs.nice else []),  # exec'd: the pid stays the server's

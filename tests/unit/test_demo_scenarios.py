@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from flywheel.core.settings import Settings
 from flywheel.demo.loop import DemoConfig, _local_vllm, _metric_before_after, _with_overrides, service_overrides
 from flywheel.demo.scenarios import SCENARIOS, scenario
+from flywheel.stack.vllm import served_vllm, server_argv
 
 DB = "postgresql+psycopg://x@h/db"
 T0 = datetime(2026, 12, 7, 3, 0, tzinfo=UTC)
@@ -118,13 +120,25 @@ def test_a_gate_override_keeps_the_stacks_gate_replica(tmp_path, monkeypatch):
     assert child.model.task == "parl" and child.rewarding.scoring.weights["parl"] == 1.0
 
 
-def test_the_parl_replicas_hold_its_longest_episode_and_get_longer_to_start() -> None:
+def test_the_parl_replicas_get_longer_to_start() -> None:
     vs = Settings().vllm
-    arith = _local_vllm(vs, 2, "arith")
+    arith = _local_vllm(vs, 2)
     assert (arith.replicas, arith.max_model_len, arith.startup_timeout_s) == (2, vs.max_model_len, vs.startup_timeout_s)
-    parl = _local_vllm(vs, 3, "parl")
+    parl = _local_vllm(vs, 3)
     assert parl.replicas == 3
-    assert parl.max_model_len == 384  # the parl task's positions; 256 refused its long episodes
     assert parl.startup_timeout_s == vs.startup_timeout_s * 4 / 3  # four servers start at once, not three
-    roomy = _local_vllm(vs.model_copy(update={"max_model_len": 1024}), 3, "parl")
-    assert roomy.max_model_len == 1024  # a larger context is kept
+
+
+def test_a_replica_serves_the_context_of_its_task(monkeypatch) -> None:
+    """Any replica, the stack's, the demo's and a container's, holds the task's longest episode: the
+    parl orchestrator's 384 positions (256 refused its long episodes); a larger setting is kept."""
+    assert served_vllm(Settings()).max_model_len == 256
+    monkeypatch.setenv("FLYWHEEL_MODEL__TASK", "parl")
+    assert served_vllm(Settings()).max_model_len == 384
+    monkeypatch.setenv("FLYWHEEL_VLLM__MAX_MODEL_LEN", "1024")
+    assert served_vllm(Settings()).max_model_len == 1024
+    argv = server_argv(Path("/m"), "v", "h", 1, served_vllm(Settings()), lora=False)
+    assert argv[argv.index("--max-model-len") + 1] == "1024"
+    monkeypatch.setenv("FLYWHEEL_MODEL__TASK", "nosuchtask")
+    with pytest.raises(ValueError, match="unknown model.task 'nosuchtask'"):
+        served_vllm(Settings())
