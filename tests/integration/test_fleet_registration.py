@@ -238,11 +238,14 @@ def test_the_canary_controller_registers_a_replica_that_joins_late_and_the_route
 
             wait_for("the controller registering the unreachable replica as failed", recorded_failed, 90, log)
 
-            def table_read() -> bool:
-                return "never read" not in httpx.get(f"{router}/ready", timeout=5).text
-
-            wait_for("the router reading the routing table", table_read, 30)
             late_id = str(rows(engine, fleet)[1][late.url].id)  # clients know a replica by its id alone
+
+            # The router may have read the table between the controller's look and its write (an
+            # empty fleet then): wait for a read that lists the row, not for the first read.
+            def table_read() -> bool:
+                return f"replica {late_id} is" in httpx.get(f"{router}/ready", timeout=5).text
+
+            wait_for("the router reading the failed replica from the routing table", table_read, 30)
             not_ready = httpx.get(f"{router}/ready", timeout=5)
             reason = not_ready.json()["reason"]
             assert not_ready.status_code == 503 and f"replica {late_id} is failed" in reason, not_ready.text
