@@ -8,7 +8,9 @@ sample grows faster as the weight steps up) and succeeds with probability ``p_st
 statistics since the deployment, the canary sessions scored at the current step and the
 simulated time elapsed, and its action is applied (step up changes the routing weight;
 promote or rollback ends the run). Guards get no input here (only the primary metric is
-simulated). Rewards are seen as soon as a session ends (no feedback-window delay).
+simulated). Rewards are seen as soon as a session ends (no feedback-window delay). The settings
+are :class:`~flywheel.core.settings.CanarySettings`' defaults, or ``--settings JSON`` over them
+(a demo's canary, say; docs/scenarios.md measures the parl demo's this way).
 
 Scenarios (success rate, ``p_stable`` = 0.5 by default): ``aa`` (identical), ``drop20``
 (canary 20 points worse), ``minus5`` (5 points worse), ``gain10`` (10 points better).
@@ -141,9 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--look-every", type=int, default=10, help="sessions between two looks of the controller")
     parser.add_argument("--cap", type=int, default=200_000, help="most sessions per simulated canary")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    parser.add_argument("--settings", type=json.loads, default={}, metavar="JSON",
+                        help='canary settings over the defaults, e.g. \'{"non_inferiority_margin": 0.1}\'')  # fmt: skip
     args = parser.parse_args(argv)
 
-    settings = CanarySettings()
+    try:
+        settings = CanarySettings(**args.settings)
+    except ValueError as err:
+        parser.error(f"--settings: {err}")
     started = time.perf_counter()
     summaries: dict[str, dict] = {}
     for name in args.scenarios.split(","):

@@ -47,7 +47,15 @@ class Scenario:
             weights = {k: 0.0 for k in ("outcome", "user_signal", "grm", "shaping", "retrieval", "summary", "scores")}
             return {
                 "model": {"task": self.model_task},
-                "trainer": {"gate": {"run": ["parl"]}},
+                "trainer": {
+                    "gate": {"run": ["parl"]},
+                    # From the stable, not the lineage: a cycle trained from an undecided canary of the
+                    # first run (+9 points) collapsed to 2.5 %; and half the calculator's window, since
+                    # a parl sample is about twice as long (cycles took ~7 minutes at 768).
+                    "parent": "stable",
+                    "data": {"max_samples": PARL_MAX_SAMPLES},
+                },
+                "serving": {"canary": PARL_CANARY},
                 "rewarding": {
                     "scoring": {
                         "weights": weights | {"parl": 1.0},
@@ -77,6 +85,16 @@ class Scenario:
 
         return DemoAgent(fw, router, api_key=api_key, concurrency=config.concurrency, seed=config.seed)
 
+
+PARL_MAX_SAMPLES = 384
+"""Most samples a parl cycle trains on (the calculator's demo: 768)."""
+PARL_CANARY: dict[str, Any] = {"non_inferiority_margin": 0.10, "variance": "empirical", "cs_target_sessions": 200}
+"""The parl demo's canary: about one session a second reaches the fleet (half of them the canary's).
+At the calculator's 5-point margin a canary 10 points better needs a median of 489 canary sessions
+to be promoted (16 minutes), at these settings 236 (``bench/canary.py --settings``, stable at 32 %,
+docs/scenarios.md). The price, for the demo only: equal canaries are promoted too, and one 5 points
+worse about half the time; one 20 points worse is still rolled back. Each candidate has passed the
+gate's held-out measurement first."""
 
 SCENARIOS: dict[str, Scenario] = {
     "arith": Scenario("arith", "arith", replicas=2),

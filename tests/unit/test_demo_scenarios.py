@@ -22,6 +22,8 @@ def test_arith_changes_nothing_of_the_demos_own_settings(tmp_path):
     config = DemoConfig()
     out = service_overrides(config, Settings(run_dir=tmp_path), DB, T0)
     assert "model" not in out and "gate" not in out["trainer"] and "scoring" not in out["rewarding"]
+    assert out["trainer"]["parent"] == config.trainer_parent
+    assert out["serving"]["canary"]["non_inferiority_margin"] == config.canary_margin
     assert scenario("arith").anneal_ends_at(config, T0) is None
 
 
@@ -31,6 +33,11 @@ def test_parl_scores_with_the_parl_extractor_alone_and_gates_on_its_suite(tmp_pa
     out = service_overrides(config, settings, DB, T0)
     assert out["model"] == {"task": "parl"}
     assert out["trainer"]["gate"] == {"run": ["parl"]}
+    assert out["trainer"]["parent"] == "stable" and out["trainer"]["data"]["max_samples"] == 384
+    assert out["trainer"]["data"]["min_samples"] == config.min_samples  # merged into the demo's, not replacing it
+    canary = out["serving"]["canary"]
+    assert canary["non_inferiority_margin"] == 0.10 and canary["variance"] == "empirical"
+    assert canary["steps"] == config.canary_steps and canary["auto_deploy"]  # the demo's own canary settings kept
     assert out["trainer"]["schedule"] == {"interval_s": config.cycle_s}  # the demo's own trainer settings kept
     weights = out["rewarding"]["scoring"]["weights"]
     assert weights["parl"] == 1.0 and sum(weights.values()) == 1.0
@@ -41,6 +48,7 @@ def test_parl_scores_with_the_parl_extractor_alone_and_gates_on_its_suite(tmp_pa
     # the services' settings validate, and the parl extractor's section parses as its own model
     child = _with_overrides(settings, out)
     assert child.model.task == "parl" and child.trainer.gate.run == ["parl"]
+    assert child.trainer.parent == "stable" and child.serving.canary.cs_target_sessions == 200
     from rewarding.extractors.parl import ParlSettings
 
     parsed = ParlSettings.model_validate(child.rewarding.scoring.extractors["parl"])
