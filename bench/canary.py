@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         help='canary settings over the defaults, e.g. \'{"non_inferiority_margin": 0.1}\'')  # fmt: skip
     args = parser.parse_args(argv)
 
+    if not isinstance(args.settings, dict):
+        parser.error(f"--settings: a JSON object of canary settings, got {args.settings!r}")
     try:
         settings = CanarySettings(**args.settings)
     except ValueError as err:
