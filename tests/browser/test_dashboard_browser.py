@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import WARMUP_TIMEOUT_S, make_settings
+from conftest import ReplicaPair, make_settings
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
@@ -67,11 +67,14 @@ def artifact_path(name: str, env: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Iterator[Settings]:
-    """Two replicas, one of them for the canary; a controller that holds (it must not act on its own)."""
+def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str, replica_pair: ReplicaPair) -> Iterator[Settings]:
+    """The session's two replicas, one of them for the canary; a controller that holds (it must not act on its own)."""
     settings = make_settings(
         tmp_path_factory.mktemp("dashboard"),
-        vllm={"replicas": 2, "startup_timeout_s": 900.0},  # the shared CI machine can be slow
+        vllm={
+            **replica_pair.settings.vllm.model_dump(include={"replicas", "enable_lora", "max_lora_rank"}),
+            "urls": replica_pair.urls,
+        },  # fmt: skip
         postgres={"url": db_url},
         serving={
             "drain_timeout_s": 20.0,
@@ -89,19 +92,10 @@ def engine(db_url: str):
 
 
 @pytest.fixture(scope="module")
-def replicas(settings: Settings, base_model_dir: Path) -> list[str]:
-    """Two warmed-up vLLM replicas of the base model (stopped with the module's stack)."""
-    state = up(settings, ["vllm"], model_dir=base_model_dir)
-    urls = [state.components[f"vllm-{i}"].where for i in range(2)]
-    model = policy_version_of(base_model_dir)
-    for url in urls:
-        warm = httpx.post(
-            f"{url}/v1/completions",
-            json={"model": model, "prompt": "warm up", "max_tokens": 4},
-            timeout=WARMUP_TIMEOUT_S,
-        )
-        warm.raise_for_status()
-    return urls
+def replicas(replica_pair: ReplicaPair) -> list[str]:
+    """The session's two warmed-up vLLM replicas of the base model, as the module before left them reset."""
+    replica_pair.reset()
+    return replica_pair.urls
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
+from conftest import ReplicaPair, free_port
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
@@ -29,7 +29,6 @@ from flywheel.core.auth import create_key
 from flywheel.core.db.engine import get_engine
 from flywheel.core.db.models import AuditLog, Checkpoint
 from flywheel.core.settings import Settings, get_settings
-from flywheel.stack.stack import down, up
 from flywheel.stack.vllm import policy_version_of
 from serving.admin.app import create_app
 from serving.fleet.registry import ensure_fleet
@@ -40,10 +39,9 @@ CANDIDATE = "e2e-candidate-1"
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Settings:
-    return make_settings(
-        tmp_path_factory.mktemp("admin-e2e"),
-        vllm={"replicas": 2},
+def settings(replica_pair: ReplicaPair, db_url: str) -> Settings:
+    """The shared pair's settings with this module's database, fleet and admin port."""
+    return replica_pair.settings_with(
         postgres={"url": db_url},
         serving={
             "fleet": "e2e",
@@ -56,22 +54,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def replicas(settings: Settings, base_model_dir: Path) -> Iterator[list[str]]:
-    """Two warmed-up replicas of the base model."""
-    try:
-        state = up(settings, ["vllm"], model_dir=base_model_dir)
-        urls = [state.components[f"vllm-{i}"].where for i in range(2)]
-        model = policy_version_of(base_model_dir)
-        for url in urls:
-            warm = httpx.post(
-                f"{url}/v1/completions",
-                json={"model": model, "prompt": "warm up", "max_tokens": 4},
-                timeout=WARMUP_TIMEOUT_S,
-            )
-            warm.raise_for_status()
-        yield urls
-    finally:
-        down(settings, ["vllm"])
+def replicas(replica_pair: ReplicaPair) -> list[str]:
+    """The session's two warmed-up replicas of the base model, as the module before left them reset."""
+    replica_pair.reset()
+    return replica_pair.urls
 
 
 @pytest.fixture(scope="module")

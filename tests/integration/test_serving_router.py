@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 import pytest
-from conftest import WARMUP_TIMEOUT_S, free_port, make_settings
+from conftest import WARMUP_TIMEOUT_S, ReplicaPair, free_port
 from prometheus_client import generate_latest
 from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.orm import Session
@@ -40,7 +40,7 @@ from flywheel.core.db.models import Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import load_state
-from flywheel.stack.stack import down, up
+from flywheel.stack.stack import up
 from serving.proxy.router import Router, create_app, uvicorn_config
 
 pytestmark = pytest.mark.integration
@@ -113,19 +113,15 @@ def warm(url: str, model: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(pg_url: str, base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Two warmed-up replicas of the base model and a fresh, migrated database naming them."""
-    settings = make_settings(tmp_path_factory.mktemp("router-stack"), vllm={"replicas": 2})
+def fleet(pg_url: str, replica_pair: ReplicaPair) -> Iterator[Fleet]:
+    """The session's two warmed-up replicas of the base model and a fresh, migrated database naming them."""
+    settings, base, base_model_dir = replica_pair.settings, replica_pair.base_version, replica_pair.model_dir
     db_url = endpoints.with_database(pg_url, f"router_{uuid.uuid4().hex[:10]}")
     endpoints.ensure_database(db_url)
     migrate.upgrade(db_url)
     engine = get_engine(db_url)
     try:
-        state = up(settings, ["vllm"], model_dir=base_model_dir)
-        records = [state.components[f"vllm-{i}"] for i in range(2)]
-        base = records[0].extra["served_model_name"]
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda r: warm(r.where, base), records))
+        replica_pair.reset()
         with Session(engine) as s:
             for version, parent in ((base, None), (CANARY, base)):
                 s.add(Checkpoint(id=version, policy_version=version, parent_id=parent, base_model=str(base_model_dir),
@@ -134,9 +130,8 @@ def fleet(pg_url: str, base_model_dir: Path, tmp_path_factory: pytest.TempPathFa
             _, key = create_key(s, name="router-test", role="product", project="router-test", rate_per_s=1e6,
                                 burst=1_000_000)  # fmt: skip
             s.commit()
-        yield Fleet(settings, [r.where for r in records], base, engine, base_model_dir, key)
+        yield Fleet(settings, list(replica_pair.urls), base, engine, base_model_dir, key)
     finally:
-        down(settings, ["vllm"])
         engine.dispose()
         endpoints.drop_database(db_url)
 

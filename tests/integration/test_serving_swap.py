@@ -1,7 +1,7 @@
 """Hot swap and deployments against two real vLLM replicas of the base model and a real Postgres.
 
-One module-scoped pair of replicas (vLLM on the CPU takes minutes to start); every test
-starts from the same fleet: both replicas on the base weights, fresh deployment, replica
+The session's shared pair of replicas (:func:`conftest.replica_pair`: vLLM on the CPU takes a minute
+to start); every test starts from the same fleet: both replicas on the base weights, fresh deployment, replica
 and audit rows (:func:`clean_fleet`). The second checkpoint is the base with every weight
 perturbed by seeded noise (its greedy output differs); a truncated copy is the broken one.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import WARMUP_TIMEOUT_S, make_settings
+from conftest import WARMUP_TIMEOUT_S, ReplicaPair
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
@@ -29,7 +29,7 @@ from flywheel.core.db.models import AuditLog, Checkpoint, Deployment, Replica
 from flywheel.core.settings import Settings
 from flywheel.stack import endpoints
 from flywheel.stack.base import log_dir, log_tail
-from flywheel.stack.stack import down, up
+from flywheel.stack.stack import up
 from flywheel.stack.vllm import policy_version_of
 from serving.fleet import swap
 from serving.fleet.deploy import DeployError, deploy_canary, promote, reconcile, rollback, set_canary_weight
@@ -63,10 +63,9 @@ def db_url(pg_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory, db_url: str) -> Settings:
-    return make_settings(
-        tmp_path_factory.mktemp("serving-swap"),
-        vllm={"replicas": 2, "enable_lora": True, "max_lora_rank": 8},
+def settings(replica_pair: ReplicaPair, db_url: str) -> Settings:
+    """The shared pair's settings (LoRA rank 8 on) with this module's database and serving fields."""
+    return replica_pair.settings_with(
         postgres={"url": db_url},
         serving={"refresh_s": REFRESH_S, "drain_timeout_s": 20.0, "canary_replicas": 1},
     )
@@ -78,22 +77,10 @@ def engine(db_url: str):
 
 
 @pytest.fixture(scope="module")
-def fleet(settings: Settings, base_model_dir: Path) -> Iterator[list[str]]:
-    """Two warmed-up replicas of the base model."""
-    try:
-        state = up(settings, ["vllm"], model_dir=base_model_dir)
-        urls = [state.components[f"vllm-{i}"].where for i in range(2)]
-        model = policy_version_of(base_model_dir)
-        for url in urls:
-            warm = httpx.post(
-                f"{url}/v1/completions",
-                json={"model": model, "prompt": "warm up", "max_tokens": 4},
-                timeout=WARMUP_TIMEOUT_S,
-            )
-            warm.raise_for_status()
-        yield urls
-    finally:
-        down(settings, ["vllm"])
+def fleet(replica_pair: ReplicaPair) -> list[str]:
+    """The session's two warmed-up replicas of the base model, as the module before left them reset."""
+    replica_pair.reset()
+    return replica_pair.urls
 
 
 @pytest.fixture(scope="module")
