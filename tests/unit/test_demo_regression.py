@@ -1,6 +1,6 @@
 """The regression scene's ops moves (flywheel.demo.regression) against a fake admin API and a fake clock.
 
-The real scene runs in tests/e2e/test_regression_e2e.py; here the races that made it fail
+The real scene runs in tests/e2e/test_flywheel_e2e.py (after its learning phase); here the races that made it fail
 are played out quickly: a canary that never decides, a look that deploys another candidate
 after ops rolled one back, a fleet lock held by another operation, refusals and a controller
 that never decides.
