@@ -35,6 +35,11 @@
    and half of bench-ingest's rate is ~910 sessions/s. The closing notes say which
    ``--rate`` a run used.
 
+``--rate capacity`` measures the whole loop's sustained rate first (``make bench-capacity``'s
+in-loop phase, in the same run) and soaks at 80 % of it, at no less than 500 events/s; its
+figures join the line as ``capacity_*``. ``soak_error_lines`` counts the lines logged at ERROR
+or CRITICAL in every log of the soak's run (services and stack), and must be 0.
+
 Last line: one JSON object (``scenarios``, ``scenarios_passed``, ``events_sent``,
 ``events_lost``, ``events_duplicated``, ``bad_inputs_tried``, ``server_errors``,
 ``unauthenticated_routes``, and the soak's figures).
@@ -338,6 +343,20 @@ def _growth(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def error_lines(logs: Path) -> dict[str, int]:
+    """Lines logged at ERROR (or CRITICAL) level, per log file of the run (the services' and the stack's)."""
+    import re
+
+    level = re.compile(r"\b(ERROR|CRITICAL)\b")
+    counts = {}
+    for path in sorted(logs.glob("*.log")):
+        with open(path, errors="replace") as f:
+            n = sum(1 for line in f if level.search(line))
+        if n:
+            counts[path.name] = n
+    return counts
+
+
 def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
     from flywheel.core.settings import Settings
     from flywheel.demo import DemoConfig, run_demo
@@ -352,7 +371,11 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
                         report_dir=work / "report", on_start=soak.on_start, on_finish=soak.on_finish,
                         service_settings={"rewarding": {"state_retention_s": SOAK_RETENTION_S}})  # fmt: skip
     summary = run_demo(config, settings)
+    errors = error_lines(Path(settings.run_dir) / "logs")
     out = {"soak_minutes": minutes, "soak_rate_per_s": rate, **soak.result,
+           "soak_events_per_s": soak.result.get("soak_events_per_s_sent"),
+           "soak_backlogs_bounded": soak.result.get("soak_backlog_bounded"),
+           "soak_error_lines": sum(errors.values()), "soak_error_lines_by_log": errors,
            "soak_failed_requests": summary["failed_requests"], "soak_agent_sessions": summary["sessions"],
            "soak_promotions": summary["promotions"], "soak_rollbacks": summary["rollbacks"]}  # fmt: skip
     growth = out.get("soak_max_rss_growth_pct")
@@ -361,14 +384,34 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
         and out.get("soak_sdk_dropped") == 0 and out["soak_failed_requests"] == 0
         and growth is not None and growth < 10.0
         and out.get("soak_backlog_bounded") and out.get("soak_sessions_scored") == out.get("soak_sessions_sent")
+        and out["soak_error_lines"] == 0
     )  # fmt: skip
     return out
+
+
+SOAK_CAPACITY_SHARE = 0.8
+"""``--rate capacity``: the soak's share of the sustained rate measured in the same run."""
+SOAK_MIN_EVENTS_PER_S = 500.0
+"""``--rate capacity``: the soak's lowest rate, whatever the capacity measured."""
+
+
+def soak_rate(rate: str, work: Path, figures: dict[str, Any]) -> float:
+    """The soak's events/s: ``rate`` as a number, or ``capacity`` (measured first; its figures join ``figures``)."""
+    if rate != "capacity":
+        return float(rate)
+    import capacity
+
+    measured = capacity.in_loop(capacity.parse_args([]), work / "capacity")
+    figures.update({f"capacity_{k}": v for k, v in measured.items() if not k.startswith("steps")})
+    return max(SOAK_CAPACITY_SHARE * measured["sustained_events_per_s"], SOAK_MIN_EVENTS_PER_S)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--soak-minutes", type=float, default=10.0, help="0 skips the soak")
-    parser.add_argument("--rate", type=float, default=BENCH_INGEST_E2E_RATE / 2, help="soak events per second")
+    parser.add_argument("--rate", default=str(BENCH_INGEST_E2E_RATE / 2),
+                        help="soak events per second, or 'capacity': first measure the whole loop's sustained rate "
+                             "(bench/capacity.py, in-loop phase) and soak at 80 %% of it, at least 500 events/s")  # fmt: skip
     parser.add_argument("--skip-scenarios", action="store_true")
     parser.add_argument("--soak-client", nargs=6, metavar=("BOOTSTRAP", "PREFIX", "PROJECT", "RATE", "OUT", "SPOOL"),
                         help=argparse.SUPPRESS)  # fmt: skip
@@ -378,13 +421,19 @@ def main() -> int:
         soak_client(bootstrap, prefix, project, float(rate), Path(out), Path(spool))
         return 0
 
+    if args.rate != "capacity":
+        try:
+            float(args.rate)
+        except ValueError:
+            parser.error(f"--rate must be events per second or 'capacity', not {args.rate!r}")
     work = Path(tempfile.mkdtemp(prefix="flywheel-reliability-"))
     figures: dict[str, Any] = {}
     if not args.skip_scenarios:
         figures |= run_scenarios(work)
     figures |= unauthenticated_routes()
     if args.soak_minutes > 0:
-        figures |= run_soak(args.soak_minutes, args.rate, work)
+        rate = soak_rate(args.rate, work, figures)
+        figures |= run_soak(args.soak_minutes, rate, work)
     print(json.dumps(figures))
     return 0
 
