@@ -24,6 +24,13 @@ and where its CPU goes.
    same steps from the in-loop sustained rate up, times ``--alone-factor`` each (a coarser
    baseline, in half the steps): ``rewarding_alone_sessions_per_s``.
    ``in_loop_vs_alone`` is the in-loop rate over it.
+3. **Scale-out** (``--alone-layouts 1x1,2x1,1x2``): the alone phase once per layout, INGESTxREWARDING
+   processes (the processes of a service share its consumer group),
+   each layout on a fresh stack; ``alone_layouts`` gives each one's sustained and saturated rates and
+   their ratios to the first layout's. ``--skip-loop`` with ``--alone-start-rate`` measures only this.
+
+``--vllm-nice N`` runs the loop's vLLM replicas at niceness N (``vllm.nice``), so that the
+pipeline's services get the CPU first and the agent's generation what is left.
 
 Last line: one JSON object (``sustained_sessions_per_s``, ``sustained_events_per_s``,
 ``rewarding_in_loop_sessions_per_s``, ``rewarding_alone_sessions_per_s``,
@@ -326,7 +333,8 @@ def in_loop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     base = random.Random().randrange(21000, 30000, 100)
     settings = Settings(
-        run_dir=work / "run", kafka={"local_port": base}, vllm={"base_port": base + 10, "replicas": 2},
+        run_dir=work / "run", kafka={"local_port": base},
+        vllm={"base_port": base + 10, "replicas": 2, "nice": args.vllm_nice},
         serving={"router_port": base + 20, "admin_port": base + 21},
     )  # fmt: skip
     config = DemoConfig(budget_minutes=args.budget_minutes, target_gain_points=1000.0, target_promotions=1000,
@@ -350,18 +358,42 @@ def in_loop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
-def alone(args: argparse.Namespace, work: Path, start_rate: float) -> dict[str, Any]:
+def layout(text: str) -> tuple[int, int]:
+    """``"2x1"``: two ingest consumers and one rewarding worker (one consumer group each)."""
+    try:
+        ingest, rewarding = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a layout is INGESTxREWARDING, e.g. 2x1, not {text!r}") from None
+    if not (1 <= ingest <= 8 and 1 <= rewarding <= 8):
+        raise ValueError(f"a layout runs 1 to 8 of each, not {text!r}")
+    return ingest, rewarding
+
+
+def layout_specs(settings: Any, counts: tuple[int, int]) -> list[Any]:
+    """The ingest and rewarding specs, each repeated (``ingest``, ``ingest-2``, ...: one group, one log each)."""
+    import dataclasses
+
+    from flywheel.stack.services import pipeline_specs
+
+    out = []
+    for spec, n in zip(pipeline_specs(settings, ["ingest", "rewarding"]), counts, strict=True):
+        out += [spec if i == 0 else dataclasses.replace(spec, name=f"{spec.name}-{i + 1}") for i in range(n)]
+    return out
+
+
+def alone(args: argparse.Namespace, work: Path, start_rate: float, counts: tuple[int, int] = (1, 1)) -> dict[str, Any]:
     from sqlalchemy import create_engine
 
     from flywheel.core.db import migrate
     from flywheel.core.settings import Settings
     from flywheel.stack import down, up
     from flywheel.stack.endpoints import drop_database, ensure_database, kafka_bootstrap, postgres_url
-    from flywheel.stack.services import ServiceGroup, pipeline_specs, settings_env
+    from flywheel.stack.services import ServiceGroup, settings_env
 
+    name = f"alone-{counts[0]}x{counts[1]}"
     base = random.Random().randrange(21000, 30000, 100)
-    settings = Settings(run_dir=work / "run-alone", kafka={"local_port": base})
-    ramp = Ramp("alone", work, rates(start_rate, args.alone_factor, args.max_rate * 4), args.step_s, args.drain_s)
+    settings = Settings(run_dir=work / f"run-{name}", kafka={"local_port": base})
+    ramp = Ramp(name, work, rates(start_rate, args.alone_factor, args.max_rate * 4), args.step_s, args.drain_s)
     group = None
     up(settings, ["broker", "postgres", "redis"])
     db_url = postgres_url(settings, f"flywheel_capacity_{uuid.uuid4().hex[:6]}")
@@ -373,7 +405,7 @@ def alone(args: argparse.Namespace, work: Path, start_rate: float) -> dict[str, 
         overrides = {"postgres": {"url": db_url},
                      "rewarding": {"feedback_window_s": 3.0, "rescore_delay_s": 2.0, "session_timeout_s": 120.0,
                                    **SERVICE_SETTINGS["rewarding"]}}  # fmt: skip
-        group = ServiceGroup(pipeline_specs(settings, ["ingest", "rewarding"]), settings_env(settings, overrides),
+        group = ServiceGroup(layout_specs(settings, counts), settings_env(settings, overrides),
                              Path(settings.run_dir) / "logs")  # fmt: skip
         group.start()
         meter = CpuMeter(_roots(settings, group, ramp))
@@ -386,12 +418,13 @@ def alone(args: argparse.Namespace, work: Path, start_rate: float) -> dict[str, 
         down(settings)
     figures = ramp.figures()
     return {
-        "rewarding_alone_sessions_per_s": figures["rewarding_sessions_per_s"],
-        "alone_sustained_sessions_per_s": figures["sustained_sessions_per_s"],
-        "alone_saturated": figures["saturated"],
-        "steps_alone": figures["steps"],
-        "alone_error": figures["error"],
-        "alone_cpu_share": meter.shares()["cpu_share"],
+        "rewarding_sessions_per_s": figures["rewarding_sessions_per_s"],
+        "sustained_sessions_per_s": figures["sustained_sessions_per_s"],
+        "saturated": figures["saturated"],
+        "steps": figures["steps"],
+        "error": figures["error"],
+        "cpu_share": meter.shares()["cpu_share"],
+        "cpu_busy_share": meter.shares()["cpu_busy_share"],
     }
 
 
@@ -407,12 +440,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=90.0, help="the loop's run before the first step")
     parser.add_argument("--budget-minutes", type=float, default=45.0, help="longest the in-loop phase may run")
     parser.add_argument("--skip-alone", action="store_true", help="measure the loop only")
+    parser.add_argument("--skip-loop", action="store_true", help="measure alone only (from --alone-start-rate)")
+    parser.add_argument(
+        "--alone-start-rate", type=float, default=None, help="alone's first step (default: the in-loop sustained rate)"
+    )
+    parser.add_argument(
+        "--alone-layouts",
+        default="1x1",
+        help="INGESTxREWARDING processes of each alone run, comma-separated (scale-out: 1x1,2x1,1x2)",
+    )
+    parser.add_argument(
+        "--vllm-nice",
+        type=int,
+        default=0,
+        choices=range(20),
+        metavar="0-19",
+        help="niceness of the loop's vLLM replicas (vllm.nice; the gate's replica inherits it)",
+    )
     args = parser.parse_args(argv)
     try:
         rates(args.start_rate, args.factor, args.max_rate)
-        rates(args.start_rate, args.alone_factor, args.max_rate * 4)
+        rates(args.alone_start_rate or args.start_rate, args.alone_factor, args.max_rate * 4)
+        args.alone_layouts = [layout(x) for x in args.alone_layouts.split(",")]
     except ValueError as err:
         parser.error(str(err))
+    if args.alone_start_rate is not None and args.alone_start_rate <= 0:
+        parser.error(f"--alone-start-rate must be above 0, not {args.alone_start_rate:g}")
+    if args.skip_loop and args.skip_alone:
+        parser.error("--skip-loop and --skip-alone together measure nothing")
     if args.step_s < 4 * SAMPLE_S:
         parser.error(f"--step-s must be at least {4 * SAMPLE_S:g} (a step is judged on its second half's samples)")
     return args
@@ -421,17 +476,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="flywheel-capacity-"))
-    figures: dict[str, Any] = {"step_s": args.step_s, "work": str(work)}
-    figures |= in_loop(args, work)
+    figures: dict[str, Any] = {"step_s": args.step_s, "vllm_nice": args.vllm_nice, "work": str(work)}
+    if not args.skip_loop:
+        figures |= in_loop(args, work)
     if not args.skip_alone:
-        figures |= alone(args, work, max(figures["sustained_sessions_per_s"], args.start_rate))
-        in_loop_rate, alone_rate = (
-            figures["rewarding_in_loop_sessions_per_s"],
-            figures["rewarding_alone_sessions_per_s"],
-        )
-        figures["in_loop_vs_alone"] = round(in_loop_rate / alone_rate, 3) if in_loop_rate and alone_rate else None
+        start = args.alone_start_rate or max(figures.get("sustained_sessions_per_s") or 0.0, args.start_rate)
+        runs = {f"{i}x{r}": alone(args, work, start, (i, r)) for i, r in args.alone_layouts}
+        first = next(iter(runs.values()))
+        figures |= {
+            "rewarding_alone_sessions_per_s": first["rewarding_sessions_per_s"],
+            "alone_sustained_sessions_per_s": first["sustained_sessions_per_s"],
+            "alone_saturated": first["saturated"],
+            "alone_error": first["error"],
+            "alone_cpu_share": first["cpu_share"],
+        }
+        if len(runs) > 1:  # scale-out: each layout's figures against the first one's
+            figures["alone_layouts"] = {
+                name: {k: run[k] for k in ("sustained_sessions_per_s", "rewarding_sessions_per_s", "saturated",
+                                           "error", "cpu_busy_share")}  # fmt: skip
+                | {"sustained_vs_first": _ratio(run["sustained_sessions_per_s"], first["sustained_sessions_per_s"]),
+                   "saturated_vs_first": _ratio(run["rewarding_sessions_per_s"], first["rewarding_sessions_per_s"])}
+                for name, run in runs.items()
+            }  # fmt: skip
+        figures["steps_alone"] = {name: run["steps"] for name, run in runs.items()}
+        figures["in_loop_vs_alone"] = _ratio(figures.get("rewarding_in_loop_sessions_per_s"),
+                                             figures["rewarding_alone_sessions_per_s"])  # fmt: skip
     print(json.dumps(figures))
     return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 if __name__ == "__main__":

@@ -357,14 +357,15 @@ def error_lines(logs: Path) -> dict[str, int]:
     return counts
 
 
-def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
+def run_soak(minutes: float, rate: float, work: Path, vllm_nice: int = 0) -> dict[str, Any]:
     from flywheel.core.settings import Settings
     from flywheel.demo import DemoConfig, run_demo
 
     soak = Soak(rate, work)
     base = random.Random().randrange(21000, 30000, 100)
     settings = Settings(
-        run_dir=work / "run", kafka={"local_port": base}, vllm={"base_port": base + 10, "replicas": 2},
+        run_dir=work / "run", kafka={"local_port": base},
+        vllm={"base_port": base + 10, "replicas": 2, "nice": vllm_nice},
         serving={"router_port": base + 20, "admin_port": base + 21},
     )  # fmt: skip
     config = DemoConfig(budget_minutes=minutes, target_gain_points=1000.0, target_promotions=1000, live=False,
@@ -372,7 +373,7 @@ def run_soak(minutes: float, rate: float, work: Path) -> dict[str, Any]:
                         service_settings={"rewarding": {"state_retention_s": SOAK_RETENTION_S}})  # fmt: skip
     summary = run_demo(config, settings)
     errors = error_lines(Path(settings.run_dir) / "logs")
-    out = {"soak_minutes": minutes, "soak_rate_per_s": rate, **soak.result,
+    out = {"soak_minutes": minutes, "soak_rate_per_s": rate, "soak_vllm_nice": vllm_nice, **soak.result,
            "soak_events_per_s": soak.result.get("soak_events_per_s_sent"),
            "soak_backlogs_bounded": soak.result.get("soak_backlog_bounded"),
            "soak_error_lines": sum(errors.values()), "soak_error_lines_by_log": errors,
@@ -395,13 +396,13 @@ SOAK_MIN_EVENTS_PER_S = 500.0
 """``--rate capacity``: the soak's lowest rate, whatever the capacity measured."""
 
 
-def soak_rate(rate: str, work: Path, figures: dict[str, Any]) -> float:
+def soak_rate(rate: str, work: Path, figures: dict[str, Any], vllm_nice: int = 0) -> float:
     """The soak's events/s: ``rate`` as a number, or ``capacity`` (measured first; its figures join ``figures``)."""
     if rate != "capacity":
         return float(rate)
     import capacity
 
-    measured = capacity.in_loop(capacity.parse_args([]), work / "capacity")
+    measured = capacity.in_loop(capacity.parse_args(["--vllm-nice", str(vllm_nice)]), work / "capacity")
     figures.update({f"capacity_{k}": v for k, v in measured.items() if not k.startswith("steps")})
     return max(SOAK_CAPACITY_SHARE * measured["sustained_events_per_s"], SOAK_MIN_EVENTS_PER_S)
 
@@ -413,6 +414,14 @@ def main() -> int:
                         help="soak events per second, or 'capacity': first measure the whole loop's sustained rate "
                              "(bench/capacity.py, in-loop phase) and soak at 80 %% of it, at least 500 events/s")  # fmt: skip
     parser.add_argument("--skip-scenarios", action="store_true")
+    parser.add_argument(
+        "--vllm-nice",
+        type=int,
+        default=0,
+        choices=range(20),
+        metavar="0-19",
+        help="niceness of the loop's vLLM replicas, in the capacity ramp and the soak (vllm.nice)",
+    )
     parser.add_argument("--soak-client", nargs=6, metavar=("BOOTSTRAP", "PREFIX", "PROJECT", "RATE", "OUT", "SPOOL"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
@@ -432,8 +441,8 @@ def main() -> int:
         figures |= run_scenarios(work)
     figures |= unauthenticated_routes()
     if args.soak_minutes > 0:
-        rate = soak_rate(args.rate, work, figures)
-        figures |= run_soak(args.soak_minutes, rate, work)
+        rate = soak_rate(args.rate, work, figures, args.vllm_nice)
+        figures |= run_soak(args.soak_minutes, rate, work, args.vllm_nice)
     print(json.dumps(figures))
     return 0
 

@@ -90,3 +90,35 @@ def test_the_cpu_meter_counts_a_busy_process_from_its_first_sample(capacity) -> 
     seconds = shares["cpu_share"]["me"] * shares["cpu_cores"] * shares["cpu_metered_s"]
     assert 0.2 <= seconds <= 1.0, shares
     assert "gone" not in shares["cpu_share"]  # a pid that does not exist is skipped, not an error
+
+
+def test_a_layout_names_each_services_count(capacity) -> None:
+    assert capacity.layout("2x1") == (2, 1)
+    assert capacity.layout("1X3") == (1, 3)
+    for bad in ("2", "ax1", "0x1", "1x9", "1x1x1"):
+        with pytest.raises(ValueError, match="layout"):
+            capacity.layout(bad)
+
+
+def test_layout_specs_repeat_each_service_under_its_own_name(capacity) -> None:
+    from flywheel.core.settings import Settings
+
+    specs = capacity.layout_specs(Settings(environment="test"), (2, 3))
+    assert [s.name for s in specs] == ["ingest", "ingest-2", "rewarding", "rewarding-2", "rewarding-3"]
+    assert len({s.argv for s in specs}) == 2  # one command per service, the same group
+
+
+def test_bad_arguments_are_refused_by_name(capacity, capsys) -> None:
+    refused = [
+        (["--alone-layouts", "1x1,two"], "layout"),
+        (["--skip-loop", "--skip-alone"], "measure"),
+        (["--vllm-nice", "20"], "vllm-nice"),
+        (["--alone-start-rate", "0"], "alone-start-rate"),
+    ]
+    for argv, named in refused:
+        with pytest.raises(SystemExit) as exit_:
+            capacity.parse_args(argv)
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err
+    args = capacity.parse_args(["--alone-layouts", "1x1,2x1,1x2", "--vllm-nice", "19"])
+    assert args.alone_layouts == [(1, 1), (2, 1), (1, 2)] and args.vllm_nice == 19
