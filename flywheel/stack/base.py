@@ -377,9 +377,22 @@ def group_alive(pgid: int) -> bool:
 
 
 def terminate_group(pgid: int, sig: int = signal.SIGTERM, grace_s: float = STOP_GRACE_S) -> None:
-    """Send ``sig`` to the session started as ``pgid``, SIGKILL after ``grace_s``, and wait."""
-    _signal_group(pgid, sig)
-    if _wait(lambda: not group_alive(pgid), grace_s):
+    """Stop the session started as ``pgid``: ``sig`` to its leader, then to what is left of the group once
+    the leader has exited, SIGKILL to the group after ``grace_s`` in all; wait until it is gone.
+
+    The leader first, because the leaders stop their own children in order: vLLM's API server stops
+    its engine core (signalled at the same time, the engine dies under a running output handler,
+    which logs ``EngineDeadError``), Celery's main process lets its pool child finish the running
+    task (signalled directly, the child dies and the main process logs ``WorkerLostError``), and
+    the postmaster shuts its backends down."""
+    deadline = time.monotonic() + grace_s
+    try:
+        os.kill(pgid, sig)
+    except ProcessLookupError:
+        pass  # the leader is gone already: its orphans get the signal below
+    if _wait(lambda: not pid_alive(pgid), grace_s) and group_alive(pgid):
+        _signal_group(pgid, sig)  # children the leader left behind
+    if _wait(lambda: not group_alive(pgid), max(0.0, deadline - time.monotonic())):
         return
     _signal_group(pgid, signal.SIGKILL)
     _wait(lambda: not group_alive(pgid), 10.0)

@@ -146,7 +146,7 @@ class Service:
             reap(self.pid)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the process group, SIGKILL after ``grace_s``."""
+        """SIGTERM the leader, then the rest of its group, SIGKILL after ``grace_s`` (:func:`terminate_group`)."""
         if self.pid is not None:
             terminate_group(self.pid, signal.SIGTERM, grace_s)
             reap(self.pid)
