@@ -14,8 +14,8 @@
 3. **Soak** (``--soak-minutes``, 10 by default; 0 skips it). The demo's whole loop runs
    (agent traffic through the router, rewarding, training, canaries) while a second SDK
    client, in its own process, logs sessions that end (start, a ~850-character user turn,
-   an outcome, end) at ``--rate`` events per second (by default half the end-to-end rate
-   that ``make bench-ingest`` measured here, 7,279/s). The rewarding workers keep scored
+   an outcome, end) at ``--rate`` events per second (by default ``capacity``, below; a
+   number soaks at that rate). The rewarding workers keep scored
    states for ``SOAK_RETENTION_S`` (120 s) instead of 7 days, so that their memory reaches
    its steady state (rate x retention) inside the soak. Every 15 s it samples each
    service's resident memory (its whole process tree) and two backlogs: soak events sent
@@ -29,16 +29,13 @@
    in the last third with its peak in the second third (the first third is warm-up:
    models load, caches fill); a backlog is bounded when its peak in the last third is
    at most 1.25 x its peak in the middle third + 1,000. ``soak_ok`` is all of it.
-   On this two-core machine the whole loop (two busy vLLM replicas and the trainer) leaves
-   far less than half of bench-ingest's rate to the rest: the rewarding workers alone
-   score ~450-670 sessions/s with the machine to themselves (``make bench-rewarding``),
-   and half of bench-ingest's rate is ~910 sessions/s. The closing notes say which
-   ``--rate`` a run used.
+   docs/reliability.md gives the figures measured on the project's two-core machine.
 
-``--rate capacity`` measures the whole loop's sustained rate first (``make bench-capacity``'s
-in-loop phase, in the same run) and soaks at 80 % of it, at no less than 500 events/s; its
-figures join the line as ``capacity_*``. ``soak_error_lines`` counts the lines logged at ERROR
-or CRITICAL in every log of the soak's run (services and stack), and must be 0.
+``--rate capacity`` (the default) measures the whole loop's sustained rate first (``make
+bench-capacity``'s in-loop phase, in the same run) and soaks at 80 % of it, at no less than
+500 events/s; its figures join the line as ``capacity_*``. ``soak_error_lines`` counts the
+lines logged at ERROR or CRITICAL in every log of the soak's run (services and stack), and
+must be 0. ``--vllm-nice N`` runs the loop's vLLM replicas at niceness N in both.
 
 Last line: one JSON object (``scenarios``, ``scenarios_passed``, ``events_sent``,
 ``events_lost``, ``events_duplicated``, ``bad_inputs_tried``, ``server_errors``,
@@ -87,8 +84,6 @@ SCENARIOS: dict[str, str] = {
     "schemathesis against the admin API": T + "test_serving_admin.py::test_schemathesis_on_the_admin_api_finds_no_5xx_and_every_refusal_says_why",
     "a write key cannot write to another project": T + "test_ingest_gateway.py::test_only_foreign_events_is_403",
 }  # fmt: skip
-BENCH_INGEST_E2E_RATE = 7279.0
-"""End-to-end events/s measured by ``make bench-ingest`` on this machine (the soak runs at half)."""
 
 
 # --------------------------------------------------------------------------- 1. scenarios
@@ -410,7 +405,7 @@ def soak_rate(rate: str, work: Path, figures: dict[str, Any], vllm_nice: int = 0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--soak-minutes", type=float, default=10.0, help="0 skips the soak")
-    parser.add_argument("--rate", default=str(BENCH_INGEST_E2E_RATE / 2),
+    parser.add_argument("--rate", default="capacity",
                         help="soak events per second, or 'capacity': first measure the whole loop's sustained rate "
                              "(bench/capacity.py, in-loop phase) and soak at 80 %% of it, at least 500 events/s")  # fmt: skip
     parser.add_argument("--skip-scenarios", action="store_true")
