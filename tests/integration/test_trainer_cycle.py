@@ -377,6 +377,52 @@ def test_worker_killed_mid_cycle_leaves_nothing_and_next_cycle_succeeds(
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_two_workers_one_killed_mid_cycle_the_other_takes_the_next_cycle(
+    db_url, base_model_dir, scored_rows, tmp_path, redis_url
+):
+    """Scale-out: two solo workers on one queue. While one trains, a trigger reaches the other and is skipped
+    (one cycle at a time across workers); the busy one is killed; the next trigger trains on the other."""
+    insert_rows(db_url, scored_rows)
+    slow = make_settings(db_url, base_model_dir, tmp_path, redis_url, step={"epochs": 100, "mini_batch_samples": 4})
+    fast = make_settings(db_url, base_model_dir, tmp_path, redis_url, schedule={"queue": slow.trainer.schedule.queue})
+    logs = [tmp_path / "worker-busy.log", tmp_path / "worker-other.log"]
+    busy = start_worker(slow, logs[0])
+    other = None
+    try:
+        doomed = send(slow, "manual:doomed")
+
+        def training() -> Any:
+            rows = [c for c in rows_of(db_url, TrainingCycle) if c.status == "running"]
+            return rows and rows[0].metrics.get("phase") == "train" and rows[0].metrics.get("step", 0) >= 2
+
+        wait_for(training, 300, "the cycle to reach its training loop", busy, logs[0])
+        other = start_worker(fast, logs[1])  # the same queue; the busy worker holds one task at a time
+        concurrent = send(fast, "manual:concurrent")
+        skipped = concurrent.get(timeout=180)
+        assert (skipped["status"], skipped["reason"]) == ("skipped", "another cycle is running"), skipped
+        assert concurrent.id in logs[1].read_text() and concurrent.id not in logs[0].read_text()
+        os.killpg(busy.pid, signal.SIGKILL)
+        busy.wait(timeout=30)
+        killed_at = time.monotonic()
+        result = send(fast, "manual:next").get(timeout=600)
+        took = time.monotonic() - killed_at
+        assert other.poll() is None, logs[1].read_text()[-3000:]
+    finally:
+        stop(busy, slow)
+        if other is not None:
+            stop(other, fast)
+    assert doomed.id in logs[0].read_text()
+    assert result["status"] in ("candidate", "rejected"), (result, logs[1].read_text()[-3000:])
+    rows = rows_of(db_url, TrainingCycle)
+    cycles = {c.idempotency_key: c for c in rows if c.idempotency_key}
+    assert (cycles["manual:doomed"].status, cycles["manual:doomed"].reason) == ("failed", "worker lost")
+    [skipped_row] = [c for c in rows if c.status == "skipped"]  # a skip keeps no key: the trigger may come again
+    assert skipped_row.metrics["requested_key"] == "manual:concurrent"
+    [trained] = trained_checkpoints(db_url)
+    assert cycles["manual:next"].checkpoint_id == trained.id
+    print(f"the next cycle finished {took:.1f} s after the busy worker was killed")
+
+
 def test_windows_advance_and_retention_deletes_old_checkpoints(db_url, base_model_dir, scored_rows, tmp_path):
     from trainer.ckpt import read_sidecar
     from trainer.cycle import run_cycle
