@@ -339,7 +339,8 @@ def in_loop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )  # fmt: skip
     config = DemoConfig(budget_minutes=args.budget_minutes, target_gain_points=1000.0, target_promotions=1000,
                         live=False, report_dir=work / "report", on_start=on_start,
-                        until=lambda engine, snap: done.is_set(), service_settings=SERVICE_SETTINGS)  # fmt: skip
+                        until=lambda engine, snap: done.is_set(), service_settings=SERVICE_SETTINGS,
+                        service_counts={"rewarding": args.rewarding_workers})  # fmt: skip
     summary = run_demo(config, settings)
     figures = ramp.figures()
     out = {
@@ -371,14 +372,9 @@ def layout(text: str) -> tuple[int, int]:
 
 def layout_specs(settings: Any, counts: tuple[int, int]) -> list[Any]:
     """The ingest and rewarding specs, each repeated (``ingest``, ``ingest-2``, ...: one group, one log each)."""
-    import dataclasses
+    from flywheel.stack.services import pipeline_specs, scaled
 
-    from flywheel.stack.services import pipeline_specs
-
-    out = []
-    for spec, n in zip(pipeline_specs(settings, ["ingest", "rewarding"]), counts, strict=True):
-        out += [spec if i == 0 else dataclasses.replace(spec, name=f"{spec.name}-{i + 1}") for i in range(n)]
-    return out
+    return scaled(pipeline_specs(settings, ["ingest", "rewarding"]), dict(zip(("ingest", "rewarding"), counts)))
 
 
 def alone(args: argparse.Namespace, work: Path, start_rate: float, counts: tuple[int, int] = (1, 1)) -> dict[str, Any]:
@@ -457,6 +453,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="0-19",
         help="niceness of the loop's vLLM replicas (vllm.nice; the gate's replica inherits it)",
     )
+    parser.add_argument(
+        "--rewarding-workers", type=int, default=1, choices=range(1, 9), metavar="1-8",
+        help="rewarding worker processes in the loop (one consumer group)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         rates(args.start_rate, args.factor, args.max_rate)
@@ -476,7 +476,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="flywheel-capacity-"))
-    figures: dict[str, Any] = {"step_s": args.step_s, "vllm_nice": args.vllm_nice, "work": str(work)}
+    figures: dict[str, Any] = {"step_s": args.step_s, "vllm_nice": args.vllm_nice,
+                               "rewarding_workers": args.rewarding_workers, "work": str(work)}  # fmt: skip
     if not args.skip_loop:
         figures |= in_loop(args, work)
     if not args.skip_alone:

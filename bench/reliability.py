@@ -352,7 +352,7 @@ def error_lines(logs: Path) -> dict[str, int]:
     return counts
 
 
-def run_soak(minutes: float, rate: float, work: Path, vllm_nice: int = 0) -> dict[str, Any]:
+def run_soak(minutes: float, rate: float, work: Path, vllm_nice: int = 0, rewarding_workers: int = 1) -> dict[str, Any]:
     from flywheel.core.settings import Settings
     from flywheel.demo import DemoConfig, run_demo
 
@@ -365,10 +365,12 @@ def run_soak(minutes: float, rate: float, work: Path, vllm_nice: int = 0) -> dic
     )  # fmt: skip
     config = DemoConfig(budget_minutes=minutes, target_gain_points=1000.0, target_promotions=1000, live=False,
                         report_dir=work / "report", on_start=soak.on_start, on_finish=soak.on_finish,
-                        service_settings={"rewarding": {"state_retention_s": SOAK_RETENTION_S}})  # fmt: skip
+                        service_settings={"rewarding": {"state_retention_s": SOAK_RETENTION_S}},
+                        service_counts={"rewarding": rewarding_workers})  # fmt: skip
     summary = run_demo(config, settings)
     errors = error_lines(Path(settings.run_dir) / "logs")
-    out = {"soak_minutes": minutes, "soak_rate_per_s": rate, "soak_vllm_nice": vllm_nice, **soak.result,
+    out = {"soak_minutes": minutes, "soak_rate_per_s": rate, "soak_vllm_nice": vllm_nice,
+           "soak_rewarding_workers": rewarding_workers, **soak.result,
            "soak_events_per_s": soak.result.get("soak_events_per_s_sent"),
            "soak_backlogs_bounded": soak.result.get("soak_backlog_bounded"),
            "soak_error_lines": sum(errors.values()), "soak_error_lines_by_log": errors,
@@ -391,13 +393,16 @@ SOAK_MIN_EVENTS_PER_S = 500.0
 """``--rate capacity``: the soak's lowest rate, whatever the capacity measured."""
 
 
-def soak_rate(rate: str, work: Path, figures: dict[str, Any], vllm_nice: int = 0) -> float:
+def soak_rate(rate: str, work: Path, figures: dict[str, Any], vllm_nice: int = 0, rewarding_workers: int = 1) -> float:
     """The soak's events/s: ``rate`` as a number, or ``capacity`` (measured first; its figures join ``figures``)."""
     if rate != "capacity":
         return float(rate)
     import capacity
 
-    measured = capacity.in_loop(capacity.parse_args(["--vllm-nice", str(vllm_nice)]), work / "capacity")
+    measured = capacity.in_loop(
+        capacity.parse_args(["--vllm-nice", str(vllm_nice), "--rewarding-workers", str(rewarding_workers)]),
+        work / "capacity",
+    )
     figures.update({f"capacity_{k}": v for k, v in measured.items() if not k.startswith("steps")})
     return max(SOAK_CAPACITY_SHARE * measured["sustained_events_per_s"], SOAK_MIN_EVENTS_PER_S)
 
@@ -419,6 +424,10 @@ def main() -> int:
     )
     parser.add_argument("--soak-client", nargs=6, metavar=("BOOTSTRAP", "PREFIX", "PROJECT", "RATE", "OUT", "SPOOL"),
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--rewarding-workers", type=int, default=1, choices=range(1, 9), metavar="1-8",
+        help="rewarding worker processes in the capacity ramp's and the soak's loop (one consumer group)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.soak_client:
         bootstrap, prefix, project, rate, out, spool = args.soak_client
@@ -436,8 +445,8 @@ def main() -> int:
         figures |= run_scenarios(work)
     figures |= unauthenticated_routes()
     if args.soak_minutes > 0:
-        rate = soak_rate(args.rate, work, figures, args.vllm_nice)
-        figures |= run_soak(args.soak_minutes, rate, work, args.vllm_nice)
+        rate = soak_rate(args.rate, work, figures, args.vllm_nice, args.rewarding_workers)
+        figures |= run_soak(args.soak_minutes, rate, work, args.vllm_nice, args.rewarding_workers)
     print(json.dumps(figures))
     return 0
 

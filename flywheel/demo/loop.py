@@ -105,6 +105,8 @@ class DemoConfig:
     service_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Settings the services get on top of the demo's own, by section, e.g.
     ``{"rewarding": {"state_retention_s": 120}}`` (the soak's)."""
+    service_counts: dict[str, int] = field(default_factory=dict)
+    """Processes of a service, e.g. ``{"rewarding": 2}`` (one consumer group); one of each by default."""
     on_start: Callable[[Any, Settings, Any], None] | None = None
     """Called with (engine, settings, service group) once the services and the agent run."""
     on_finish: Callable[[Any, Settings, dict[str, Any]], None] | None = None
@@ -181,7 +183,7 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
     from flywheel.sdk import Flywheel
     from flywheel.stack import down, up
     from flywheel.stack.endpoints import drop_database, ensure_database, kafka_bootstrap, postgres_url, vllm_urls
-    from flywheel.stack.services import SERVICE_KIND, ServiceGroup, pipeline_specs, settings_env
+    from flywheel.stack.services import SERVICE_KIND, ServiceGroup, pipeline_specs, scaled, settings_env
     from flywheel.stack.stack import keep_services
     from serving.overview import snapshot
 
@@ -227,7 +229,8 @@ def run_demo(config: DemoConfig | None = None, settings: Settings | None = None)
             overrides["serving"] = _merged(overrides["serving"], {"role_pins": pins})
             child_settings = _with_overrides(settings, overrides)
         env = settings_env(settings, overrides)
-        group = ServiceGroup(pipeline_specs(settings), env, Path(settings.run_dir) / "logs")
+        group = ServiceGroup(scaled(pipeline_specs(settings), config.service_counts), env,
+                             Path(settings.run_dir) / "logs")  # fmt: skip
         console.print("starting the services (ingest, rewarding, trainer worker + beat, router, admin API, canary) ...")
         group.start()
         if config.keep_up:

@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +314,21 @@ def _env_value(value: Any) -> str:
 def python_module(module: str, *args: str) -> tuple[str, ...]:
     """``python -m module args`` with this interpreter."""
     return (sys.executable, "-m", module, *args)
+
+
+def scaled(specs: Iterable[ServiceSpec], counts: Mapping[str, int]) -> list[ServiceSpec]:
+    """``specs`` with ``counts[name]`` processes of a service (``rewarding``, ``rewarding-2``, ...: one
+    consumer group, one log each); a service not named keeps one."""
+    out: list[ServiceSpec] = []
+    for spec in specs:
+        n = counts.get(spec.name, 1)
+        if not 1 <= n <= 8:
+            raise ValueError(f"{spec.name}: run 1 to 8 processes, not {n}")
+        out += [spec if i == 0 else replace(spec, name=f"{spec.name}-{i + 1}") for i in range(n)]
+    unknown = set(counts) - {spec.name for spec in specs}
+    if unknown:
+        raise ValueError(f"unknown service(s) {sorted(unknown)} to scale")
+    return out
 
 
 def pipeline_specs(settings: Settings, names: Iterable[str] | None = None) -> list[ServiceSpec]:
