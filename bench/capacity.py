@@ -424,6 +424,20 @@ def alone(args: argparse.Namespace, work: Path, start_rate: float, counts: tuple
     }
 
 
+def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """The loop's layout options, shared with ``make bench-reliability`` (its capacity ramp and soak)."""
+    parser.add_argument(
+        "--vllm-nice",
+        type=int,
+        default=0,
+        choices=range(20),
+        metavar="0-19",
+        help="niceness of the loop's vLLM replicas (vllm.nice; the gate's replica inherits it)",
+    )
+    parser.add_argument("--rewarding-workers", type=int, default=1, choices=range(1, 9), metavar="1-8",
+                        help="rewarding worker processes in the loop (one consumer group)")  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``[]``: the defaults, as ``make bench-reliability --rate capacity`` uses them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -445,18 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="1x1",
         help="INGESTxREWARDING processes of each alone run, comma-separated (scale-out: 1x1,2x1,1x2)",
     )
-    parser.add_argument(
-        "--vllm-nice",
-        type=int,
-        default=0,
-        choices=range(20),
-        metavar="0-19",
-        help="niceness of the loop's vLLM replicas (vllm.nice; the gate's replica inherits it)",
-    )
-    parser.add_argument(
-        "--rewarding-workers", type=int, default=1, choices=range(1, 9), metavar="1-8",
-        help="rewarding worker processes in the loop (one consumer group)",
-    )  # fmt: skip
+    add_loop_arguments(parser)
     args = parser.parse_args(argv)
     try:
         rates(args.start_rate, args.factor, args.max_rate)

@@ -414,20 +414,11 @@ def main() -> int:
                         help="soak events per second, or 'capacity': first measure the whole loop's sustained rate "
                              "(bench/capacity.py, in-loop phase) and soak at 80 %% of it, at least 500 events/s")  # fmt: skip
     parser.add_argument("--skip-scenarios", action="store_true")
-    parser.add_argument(
-        "--vllm-nice",
-        type=int,
-        default=0,
-        choices=range(20),
-        metavar="0-19",
-        help="niceness of the loop's vLLM replicas, in the capacity ramp and the soak (vllm.nice)",
-    )
     parser.add_argument("--soak-client", nargs=6, metavar=("BOOTSTRAP", "PREFIX", "PROJECT", "RATE", "OUT", "SPOOL"),
                         help=argparse.SUPPRESS)  # fmt: skip
-    parser.add_argument(
-        "--rewarding-workers", type=int, default=1, choices=range(1, 9), metavar="1-8",
-        help="rewarding worker processes in the capacity ramp's and the soak's loop (one consumer group)",
-    )  # fmt: skip
+    import capacity  # bench/capacity.py: the loop's layout options, as its capacity ramp takes them
+
+    capacity.add_loop_arguments(parser)
     args = parser.parse_args()
     if args.soak_client:
         bootstrap, prefix, project, rate, out, spool = args.soak_client
